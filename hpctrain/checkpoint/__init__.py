@@ -1,0 +1,1 @@
+"""hpctrain.checkpoint"""

@@ -1,0 +1,243 @@
+"""One typed config: TOML file + CLI overrides, validated before any collective runs.
+
+Validation is pure (no MPI): every rank reads the same file and flags, so every rank
+fails the same way, with the same one-line message, before communication starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+__all__ = [
+    "ConfigError", "TrainSection", "DDPSection", "RuntimeSection", "Config",
+    "load_config", "parse_assignment", "STRATEGIES", "OPTIMIZERS", "PRECISIONS",
+]
+
+STRATEGIES = ("single", "ddp")
+OPTIMIZERS = ("sgd", "adamw")
+PRECISIONS = ("fp32", "bf16", "fp16")
+PROGRESS = ("auto", "on", "off")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message names the key, the value and the fix."""
+
+
+def _f(default, help, *, choices=None, min=None, max=None, default_factory=None):
+    meta = {"help": help, "choices": choices, "min": min, "max": max}
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class TrainSection:
+    """[train]: what to train and how."""
+
+    model: str = _f("gpt", "built-in model (mlp, gpt) or package.module:factory")
+    strategy: str = _f("single", "parallel strategy", choices=STRATEGIES)
+    steps: int = _f(200, "optimizer steps", min=1)
+    global_batch_size: int = _f(32, "samples per optimizer step over all ranks", min=1)
+    lr: float = _f(3e-3, "learning rate", min=0.0)
+    optimizer: str = _f("adamw", "optimizer", choices=OPTIMIZERS)
+    weight_decay: float = _f(0.0, "weight decay (decoupled for adamw)", min=0.0)
+    momentum: float = _f(0.0, "SGD momentum", min=0.0, max=1.0)
+    seed: int = _f(0, "seed for weights, data order and data generation", min=0)
+    precision: str = _f("fp32", "fp32, bf16 autocast, or fp16 autocast with loss scaling",
+                        choices=PRECISIONS)
+    grad_accum: int = _f(1, "micro-batches per optimizer step", min=1)
+    activation_checkpointing: bool = _f(False, "recompute block activations in backward")
+    max_grad_norm: float = _f(0.0, "clip gradients to this global L2 norm (0: off)", min=0.0)
+    summary: str = _f("", "write a JSON summary here (rank 0)")
+    out_dir: str = _f("hpctrain-out", "directory for metrics.csv (rank 0)")
+    progress: str = _f("auto", "progress bar: auto (when a terminal), on, off", choices=PROGRESS)
+    log_every: int = _f(10, "log a line every N steps when there is no progress bar", min=1)
+    model_options: dict = _f(None, "keyword options for the model factory ([train.model_options])",
+                             default_factory=dict)
+
+
+@dataclass
+class DDPSection:
+    """[ddp]: Horovod data parallel."""
+
+    fp16_compression: bool = _f(False, "compress gradients to fp16 for the all-reduce")
+    fusion_threshold_mb: float = _f(128.0, "Horovod tensor fusion buffer (HOROVOD_FUSION_THRESHOLD)",
+                                    min=0.0)
+    cycle_time_ms: float = _f(1.0, "Horovod cycle time (HOROVOD_CYCLE_TIME)", min=0.0)
+
+
+@dataclass
+class RuntimeSection:
+    """[runtime]: the world, devices and the mesh."""
+
+    mesh: str = _f("", "mesh degrees, e.g. 'dp=2,pp=2' (empty: all ranks data parallel)")
+    ranks_per_node: int = _f(0, "pretend this many ranks per node (0: detect)", min=0)
+    device: str = _f("auto", "device: auto (GPU by local rank if any), cpu, cuda", choices=DEVICES)
+
+
+@dataclass
+class Config:
+    """The whole config: one dataclass per TOML table."""
+
+    train: TrainSection = field(default_factory=TrainSection)
+    ddp: DDPSection = field(default_factory=DDPSection)
+    runtime: RuntimeSection = field(default_factory=RuntimeSection)
+
+    def validate(self, world_size: int = 1) -> "Config":
+        """Check every field and the cross-field rules; raise ConfigError naming the key."""
+        for sname, section in self.sections().items():
+            for f in dataclasses.fields(section):
+                _check_field(f"{sname}.{f.name}", getattr(section, f.name), f)
+        t = self.train
+        if t.strategy == "single" and world_size > 1:
+            raise ConfigError(
+                f"train.strategy = 'single' but the launcher started {world_size} ranks; "
+                f"each rank would train alone. Use --strategy ddp (or another parallel strategy) "
+                f"or launch one process")
+        if t.grad_accum > t.global_batch_size:
+            raise ConfigError(
+                f"train.grad_accum = {t.grad_accum} is larger than train.global_batch_size = "
+                f"{t.global_batch_size}: every micro-batch needs at least one sample; lower "
+                f"--grad-accum or raise --global-batch-size")
+        per_micro = t.global_batch_size // t.grad_accum
+        if per_micro < world_size:
+            raise ConfigError(
+                f"train.global_batch_size = {t.global_batch_size} with grad_accum = {t.grad_accum} "
+                f"gives micro-batches of {per_micro} samples, fewer than the {world_size} ranks; "
+                f"use --global-batch-size >= {t.grad_accum * world_size}")
+        self._validate_mesh(world_size)
+        return self
+
+    def _validate_mesh(self, world_size: int) -> None:
+        from hpctrain.runtime.mesh import MeshLayout
+
+        try:
+            layout = MeshLayout.parse(self.runtime.mesh).resolve(world_size)
+        except ValueError as exc:
+            raise ConfigError(f"runtime.mesh = {self.runtime.mesh!r}: {exc}") from None
+        used = {k: v for k, v in layout.degrees().items() if k != "dp" and v > 1}
+        if used and self.train.strategy in ("single", "ddp"):
+            raise ConfigError(
+                f"runtime.mesh = {self.runtime.mesh!r} uses {', '.join(used)} but strategy "
+                f"{self.train.strategy!r} only uses dp; drop those degrees or pick a strategy that uses them")
+
+    def sections(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: dataclasses.asdict(sec) for name, sec in self.sections().items()}
+
+    def to_toml(self) -> str:
+        """Render as TOML text that load_config reads back to an equal Config."""
+        lines: list[str] = []
+        for name, values in self.to_dict().items():
+            lines.append(f"[{name}]")
+            tables = {}
+            for key, value in values.items():
+                if isinstance(value, dict):
+                    tables[key] = value
+                else:
+                    lines.append(f"{key} = {_toml_value(value)}")
+            for key, table in tables.items():
+                lines.append(f"[{name}.{key}]")
+                lines.extend(f"{k} = {_toml_value(v)}" for k, v in table.items())
+            lines.append("")
+        return "\n".join(lines)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise ConfigError(f"cannot write {v!r} ({type(v).__name__}) to TOML")
+
+
+def _type_name(tp) -> str:
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+            dict: "a table"}.get(tp, str(tp))
+
+
+def _field_type(f: dataclasses.Field) -> type:
+    # Annotations are strings under `from __future__ import annotations`.
+    return {"int": int, "float": float, "bool": bool, "str": str, "dict": dict}[f.type]
+
+
+def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
+    tp = _field_type(f)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if tp is bool and not isinstance(value, bool):
+        raise ConfigError(f"{key} = {value!r}: expected {_type_name(tp)}")
+    if tp is not bool and isinstance(value, bool) or not isinstance(value, tp):
+        raise ConfigError(f"{key} = {value!r}: expected {_type_name(tp)}")
+    return value
+
+
+def _check_field(key: str, value: Any, f: dataclasses.Field) -> None:
+    _coerce(key, value, f)
+    meta = f.metadata
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key} = {value!r}: expected a finite number")
+    if meta.get("choices") and value not in meta["choices"]:
+        raise ConfigError(f"{key} = {value!r}: expected one of {', '.join(meta['choices'])}")
+    if meta.get("min") is not None and value < meta["min"]:
+        raise ConfigError(f"{key} = {value!r}: must be >= {meta['min']}")
+    if meta.get("max") is not None and value > meta["max"]:
+        raise ConfigError(f"{key} = {value!r}: must be <= {meta['max']}")
+
+
+def _apply(cfg: Config, data: Mapping[str, Any], origin: str) -> None:
+    sections = cfg.sections()
+    for sname, values in data.items():
+        if sname not in sections:
+            raise ConfigError(f"{origin}: unknown table [{sname}]; valid tables: "
+                              f"{', '.join(sections)}")
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"{origin}: {sname} must be a table, got {values!r}")
+        section = sections[sname]
+        fields = {f.name: f for f in dataclasses.fields(section)}
+        for key, value in values.items():
+            if key not in fields:
+                raise ConfigError(f"{origin}: unknown key {sname}.{key}; valid keys: "
+                                  f"{', '.join(fields)}")
+            setattr(section, key, _coerce(f"{sname}.{key}", value, fields[key]))
+
+
+def parse_assignment(text: str) -> dict[str, Any]:
+    """Parse 'section.key=value' (value in TOML syntax, bare words taken as strings)."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. ddp.fp16_compression=true")
+    lhs, rhs = text.split("=", 1)
+    section, key = lhs.strip().split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {rhs.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = rhs.strip()  # a bare word such as adamw
+    return {section: {key: value}}
+
+
+def load_config(path: str | None = None, overrides: list[Mapping[str, Any]] = ()) -> Config:
+    """Build a Config from defaults, then a TOML file, then override mappings, in that order."""
+    cfg = Config()
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path!r} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path!r} is not valid TOML: {exc}") from None
+        _apply(cfg, data, path)
+    for ov in overrides:
+        _apply(cfg, ov, "command line")
+    return cfg

@@ -1,0 +1,131 @@
+"""Deterministic global-batch sampler whose per-rank split never changes the global batch."""
+
+import operator
+
+import torch
+from torch.utils.data import TensorDataset
+
+from .synthetic import TensorPairDataset
+
+__all__ = ["GlobalBatchSampler", "collate"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def _as_int(name, value):
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
+class GlobalBatchSampler:
+    """Yields this rank's indices of each micro-batch of each global step.
+
+    The global batch of a step depends only on (dataset_len, global_batch_size, seed, step);
+    it is cut into `grad_accum` micro-batches first and each micro-batch is then cut across
+    ranks, so the union over ranks of micro-batch m is the same for any world size.
+    """
+
+    def __init__(self, dataset_len, global_batch_size, seed, rank, world_size, grad_accum=1):
+        dataset_len = _as_int("dataset_len", dataset_len)
+        global_batch_size = _as_int("global_batch_size", global_batch_size)
+        rank, world_size = _as_int("rank", rank), _as_int("world_size", world_size)
+        grad_accum = _as_int("grad_accum", grad_accum)
+        if global_batch_size < 1:
+            raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}; "
+                             "fix: pass a positive global batch size")
+        if grad_accum < 1:
+            raise ValueError(f"grad_accum must be >= 1, got {grad_accum}; "
+                             "fix: use grad_accum=1 for no gradient accumulation")
+        if grad_accum > global_batch_size:
+            raise ValueError(f"grad_accum ({grad_accum}) is larger than global_batch_size "
+                             f"({global_batch_size}), so some micro-batches would be empty; "
+                             "fix: lower grad_accum or raise global_batch_size")
+        if dataset_len < global_batch_size:
+            raise ValueError(f"the data set has {dataset_len} samples, fewer than one global "
+                             f"batch of {global_batch_size}; fix: lower global_batch_size to at "
+                             f"most {dataset_len} or use a larger data set")
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        self.dataset_len = dataset_len
+        self.global_batch_size = global_batch_size
+        self.seed = int(seed)
+        self.rank = rank
+        self.world_size = world_size
+        self.grad_accum = grad_accum
+        self.steps_per_epoch = dataset_len // global_batch_size  # last partial batch dropped
+        self.step = 0  # next step that iteration will return
+        self._perm_epoch = None
+        self._perm = None
+
+    def epoch_of(self, step):
+        """The epoch that global step `step` falls in."""
+        return step // self.steps_per_epoch
+
+    def _permutation(self, epoch):
+        if epoch != self._perm_epoch:
+            g = torch.Generator()
+            g.manual_seed((self.seed * 1000003 + epoch) & _MASK64)
+            self._perm = torch.randperm(self.dataset_len, generator=g)
+            self._perm_epoch = epoch
+        return self._perm
+
+    def global_batch(self, step):
+        """All indices (every rank, every micro-batch) of global step `step`, in order."""
+        step = _as_int("step", step)
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        epoch, pos = divmod(step, self.steps_per_epoch)
+        start = pos * self.global_batch_size
+        return self._permutation(epoch)[start:start + self.global_batch_size].clone()
+
+    def micro_batches(self, step):
+        """This rank's indices for each of the `grad_accum` micro-batches of `step`."""
+        micros = torch.tensor_split(self.global_batch(step), self.grad_accum)
+        return [torch.tensor_split(m, self.world_size)[self.rank].clone() for m in micros]
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        """Micro-batches of the current step; advances the step counter."""
+        out = self.micro_batches(self.step)
+        self.step += 1
+        return out
+
+    def state_dict(self):
+        """The position of the step counter."""
+        return {"step": self.step}
+
+    def load_state_dict(self, state):
+        """Restore the step counter saved by state_dict()."""
+        if "step" not in state:
+            raise ValueError(f"sampler state has no 'step' entry (keys: {sorted(state)})")
+        step = _as_int("step", state["step"])
+        if step < 0:
+            raise ValueError(f"sampler state step must be >= 0, got {step}")
+        self.step = step
+
+
+def collate(dataset, indices):
+    """Stack dataset items at `indices` into (inputs, targets); zero-length when empty."""
+    if isinstance(indices, torch.Tensor):
+        indices = indices.to(torch.int64).reshape(-1)
+    else:
+        indices = torch.as_tensor(list(indices), dtype=torch.int64)
+    # Fast path: the data already sits in two tensors.
+    if isinstance(dataset, TensorPairDataset):
+        return dataset.inputs[indices], dataset.targets[indices]
+    if isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2:
+        return dataset.tensors[0][indices], dataset.tensors[1][indices]
+    if indices.numel() == 0:
+        # Shapes and dtypes come from the first item so empty ranks still match the others.
+        x0, y0 = (torch.as_tensor(v) for v in dataset[0])
+        return (torch.empty((0, *x0.shape), dtype=x0.dtype),
+                torch.empty((0, *y0.shape), dtype=y0.dtype))
+    items = [dataset[i] for i in indices.tolist()]
+    return (torch.stack([torch.as_tensor(x) for x, _ in items]),
+            torch.stack([torch.as_tensor(y) for _, y in items]))

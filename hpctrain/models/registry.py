@@ -1,0 +1,136 @@
+"""Build a model, its data set and its loss from a built-in name or a user's factory spec."""
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from . import gpt, mlp
+
+__all__ = ["BuiltModel", "BUILTIN", "build", "describe", "detect_unit"]
+
+_FACTORIES = {"gpt": gpt.factory, "mlp": mlp.factory}
+_DESCRIPTIONS = {
+    "gpt": "tiny GPT decoder (tied embeddings, causal SDPA) on Markov-chain tokens; "
+           "defaults " + ", ".join(f"{k}={v}" for k, v in gpt.DEFAULTS.items()),
+    "mlp": "Linear+GELU classifier with LayerNorm on teacher-labelled Gaussian inputs; "
+           "defaults " + ", ".join(f"{k}={v}" for k, v in mlp.DEFAULTS.items()),
+}
+BUILTIN = tuple(sorted(_FACTORIES))
+
+
+@dataclass
+class BuiltModel:
+    """What build() returns: the model, its data, its loss and how to count throughput."""
+
+    model: nn.Module
+    dataset: Dataset
+    loss_fn: Callable
+    name: str
+    unit: str  # "tokens" or "samples"
+    units_per_sample: int
+
+
+def describe():
+    """One line per built-in model."""
+    return "\n".join(f"{name}: {_DESCRIPTIONS[name]}" for name in BUILTIN)
+
+
+def detect_unit(dataset):
+    """("tokens", target.numel()) for multi-element integer targets, else ("samples", 1)."""
+    target = torch.as_tensor(dataset[0][1])
+    if not (target.is_floating_point() or target.is_complex() or target.dtype == torch.bool) \
+            and target.numel() > 1:
+        return "tokens", int(target.numel())
+    return "samples", 1
+
+
+def _resolve_user(spec):
+    """Import 'package.module:attr' and return the attribute; ValueError saying why not."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr or ":" in attr:
+        raise ValueError(f"model spec {spec!r} is malformed: expected a built-in name "
+                         f"({', '.join(BUILTIN)}) or 'package.module:factory'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any import-time failure: report it against the spec
+        raise ValueError(f"model spec {spec!r}: cannot import module {module_name!r} "
+                         f"({type(exc).__name__}: {exc}); fix: make sure the package is on "
+                         "PYTHONPATH (or installed) and imports cleanly") from exc
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"model spec {spec!r}: module {module_name!r} has no attribute "
+                             f"{attr!r}; fix: name a factory function defined in that module")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"model spec {spec!r}: {attr!r} is a {type(obj).__name__}, not a "
+                         "callable; fix: point the spec at a factory function")
+    return obj
+
+
+def _check_result(spec, result):
+    """Validate a factory's return value against the (model, dataset, loss_fn) contract."""
+    how = ("; fix: the factory must return (nn.Module, map-style Dataset of (input, target) "
+           "tensor pairs, loss_fn(output, target) -> mean loss)")
+    if not isinstance(result, (tuple, list)) or len(result) != 3:
+        got = f"{len(result)}-tuple" if isinstance(result, (tuple, list)) \
+            else type(result).__name__
+        raise ValueError(f"model spec {spec!r}: factory returned a {got}, expected a "
+                         f"3-tuple (model, dataset, loss_fn){how}")
+    model, dataset, loss_fn = result
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model spec {spec!r}: the model (item 0) is a "
+                         f"{type(model).__name__}, expected a torch.nn.Module{how}")
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise ValueError(f"model spec {spec!r}: the dataset (item 1) is a "
+                         f"{type(dataset).__name__} without __len__/__getitem__, expected a "
+                         f"map-style Dataset{how}")
+    if not callable(loss_fn):
+        raise ValueError(f"model spec {spec!r}: the loss_fn (item 2) is a "
+                         f"{type(loss_fn).__name__}, expected a callable{how}")
+    if len(dataset) < 1:
+        raise ValueError(f"model spec {spec!r}: the dataset is empty{how}")
+    item = dataset[0]
+    if not (isinstance(item, (tuple, list)) and len(item) == 2
+            and all(isinstance(v, torch.Tensor) for v in item)):
+        raise ValueError(f"model spec {spec!r}: dataset[0] is not an (input, target) pair of "
+                         f"tensors{how}")
+    return model, dataset, loss_fn
+
+
+def build(spec, seed, **options):
+    """Build `spec` (a name in BUILTIN or 'package.module:factory') with weights from `seed`."""
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"model spec {spec!r} must be a non-empty string: a built-in name "
+                         f"({', '.join(BUILTIN)}) or 'package.module:factory'")
+    if ":" in spec:
+        fn = _resolve_user(spec)
+        if options:
+            raise ValueError(f"model spec {spec!r}: options {sorted(options)} are only "
+                             "accepted by built-in models; fix: bake them into your factory "
+                             "(it is called with no arguments)")
+        call = fn
+    elif spec in _FACTORIES:
+        fn = _FACTORIES[spec]
+        accepted = [p for p in inspect.signature(fn).parameters if p != "seed"]
+        unknown = sorted(set(options) - set(accepted))
+        if unknown:
+            raise ValueError(f"model {spec!r} has no option(s) {unknown}; accepted options: "
+                             f"{', '.join(accepted)}")
+        call = lambda: fn(seed, **options)  # noqa: E731
+    else:
+        raise ValueError(f"unknown model {spec!r}: expected one of the built-ins "
+                         f"({', '.join(BUILTIN)}) or a user factory as "
+                         "'package.module:factory'")
+    # Seed right before construction so every rank builds identical weights; fork keeps the
+    # caller's global RNG state untouched.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model, dataset, loss_fn = _check_result(spec, call())
+    unit, per_sample = detect_unit(dataset)
+    return BuiltModel(model, dataset, loss_fn, spec, unit, per_sample)

@@ -1,0 +1,19 @@
+"""Communicators: one interface (``Communicator``) over MPI and torch.distributed.
+
+Parallel strategies speak only :class:`Communicator`. The backends are imported on first
+use, so importing the interface does not initialise MPI or torch.distributed.
+"""
+
+from .base import OPS, SUPPORTED_DTYPES, Communicator, CompletedRequest, NullCommunicator, Request
+
+__all__ = ["OPS", "SUPPORTED_DTYPES", "Communicator", "CompletedRequest", "MPICommunicator",
+           "NullCommunicator", "Request", "TorchDistCommunicator", "world"]
+
+_LAZY = {"MPICommunicator": "mpi", "world": "mpi", "TorchDistCommunicator": "torchdist"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        from importlib import import_module
+        return getattr(import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,351 @@
+"""The backend-neutral communicator interface that parallel strategies speak.
+
+``Communicator`` holds the input checks, the size-1 fast paths and the bool handling once;
+a backend implements only the ``_``-prefixed hooks, which receive tensors that are already
+validated, detached and contiguous, and an ``out`` of the right shape.
+"""
+
+from __future__ import annotations
+
+import numbers
+from abc import ABC, abstractmethod, update_abstractmethods
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["OPS", "SUPPORTED_DTYPES", "Communicator", "CompletedRequest", "NullCommunicator",
+           "Request"]
+
+#: Reduction op names accepted by ``allreduce``, ``reduce_scatter`` and ``allreduce_scalars``.
+OPS = ("sum", "avg", "max", "min", "prod")
+
+#: Tensor dtypes every backend moves and reduces.
+SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                    torch.int32, torch.int64, torch.int8, torch.uint8, torch.bool)
+
+# Bool tensors are reduced as their uint8 bytes (0/1): max is logical or, min is logical and.
+_BOOL_OPS = ("max", "min")
+
+
+class Request(ABC):
+    """Handle of a non-blocking operation."""
+
+    @abstractmethod
+    def wait(self) -> None:
+        """Block until the operation completes."""
+
+    @abstractmethod
+    def test(self) -> bool:
+        """Return True if the operation has completed, without blocking."""
+
+
+class CompletedRequest(Request):
+    """A request that was finished when it was made (local copies, size-1 fast paths)."""
+
+    def wait(self) -> None:
+        """Return at once: there is nothing to wait for."""
+
+    def test(self) -> bool:
+        """Return True: the operation is already complete."""
+        return True
+
+
+class Communicator(ABC):
+    """A group of ranks that can communicate tensors; see the module docstring."""
+
+    backend: str
+    rank: int
+    size: int
+    device: torch.device
+    is_active: bool = True
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(backend={self.backend!r}, rank={self.rank}, "
+                f"size={self.size})")
+
+    # ---- collectives -------------------------------------------------------------------
+
+    def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce ``tensor`` in place and return it; collective over all ranks."""
+        self._check_tensor(tensor, "tensor")
+        self._check_op(op, tensor.dtype)
+        if self.size > 1:
+            self._allreduce(_wire(tensor), op)
+        return tensor
+
+    def allgather(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Concatenate every rank's ``tensor`` along dim 0; collective over all ranks."""
+        self._check_tensor(tensor, "tensor")
+        _check_has_dim0(tensor, "allgather")
+        shape = (tensor.shape[0] * self.size, *tensor.shape[1:])
+        out = self._out(out, tensor, shape, "allgather")
+        if self.size == 1:
+            return out.copy_(tensor)
+        self._allgather(_wire(tensor), _wire(out))
+        return out
+
+    def reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor | None = None,
+                       op: str = "sum") -> torch.Tensor:
+        """Reduce ``tensor`` and return this rank's dim-0 chunk of it; collective over all ranks."""
+        self._check_tensor(tensor, "tensor")
+        self._check_op(op, tensor.dtype)
+        self._check_divisible(tensor, "reduce_scatter")
+        shape = (tensor.shape[0] // self.size, *tensor.shape[1:])
+        out = self._out(out, tensor, shape, "reduce_scatter")
+        if self.size == 1:
+            return out.copy_(tensor)
+        self._reduce_scatter(_wire(tensor), _wire(out), op)
+        return out
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
+        """Overwrite ``tensor`` in place with the root's copy; collective over all ranks."""
+        self._check_tensor(tensor, "tensor")
+        self._check_rank(root, "root")
+        if self.size > 1:
+            self._broadcast(_wire(tensor), root)
+        return tensor
+
+    def alltoall(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Send dim-0 chunk i to rank i, receive chunks in rank order; collective over all ranks."""
+        self._check_tensor(tensor, "tensor")
+        self._check_divisible(tensor, "alltoall")
+        out = self._out(out, tensor, tuple(tensor.shape), "alltoall")
+        if self.size == 1:
+            return out.copy_(tensor)
+        self._alltoall(_wire(tensor), _wire(out))
+        return out
+
+    def barrier(self) -> None:
+        """Block until every rank has entered the barrier; collective over all ranks."""
+        if self.size > 1:
+            self._barrier()
+
+    def allreduce_scalars(self, values: Sequence[float], op: str = "sum") -> list[float]:
+        """Reduce a few host-side numbers in float64 and return them; collective over all ranks."""
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not all(
+                isinstance(v, numbers.Real) for v in values):
+            raise TypeError(
+                f"allreduce_scalars takes a sequence of real numbers, got {values!r}; "
+                "convert tensors with float(t) or t.tolist() first")
+        self._check_op(op, torch.float64)
+        floats = [float(v) for v in values]
+        if self.size == 1 or not floats:
+            return floats
+        buf = torch.tensor(floats, dtype=torch.float64, device=self.device)
+        self._allreduce(buf, op)
+        return buf.tolist()
+
+    # ---- point to point ----------------------------------------------------------------
+
+    def send(self, tensor: torch.Tensor, dest: int, tag: int = 0) -> None:
+        """Blocking send of ``tensor`` to rank ``dest`` in standard mode (point to point)."""
+        self._check_p2p(tensor, dest, "dest", tag)
+        self._send(_wire(tensor), dest, tag)
+
+    def recv(self, tensor: torch.Tensor, source: int, tag: int = 0) -> torch.Tensor:
+        """Blocking receive from rank ``source`` into ``tensor`` and return it (point to point)."""
+        self._check_p2p(tensor, source, "source", tag)
+        self._recv(_wire(tensor), source, tag)
+        return tensor
+
+    def isend(self, tensor: torch.Tensor, dest: int, tag: int = 0) -> Request:
+        """Start a non-blocking send to ``dest`` (point to point); keep ``tensor`` until wait()."""
+        self._check_p2p(tensor, dest, "dest", tag)
+        return self._isend(_wire(tensor), dest, tag)
+
+    def irecv(self, tensor: torch.Tensor, source: int, tag: int = 0) -> Request:
+        """Start a non-blocking receive from ``source`` into ``tensor`` (point to point)."""
+        self._check_p2p(tensor, source, "source", tag)
+        return self._irecv(_wire(tensor), source, tag)
+
+    # ---- management --------------------------------------------------------------------
+
+    def split(self, color: int | None, key: int = 0) -> Communicator:
+        """Split by ``color`` (None: a NullCommunicator), ranked by ``key``; collective over all."""
+        if color is not None and (not _is_int(color) or color < 0):
+            raise ValueError(f"split color must be a non-negative int or None, got {color!r}; "
+                             "use None for ranks that should not join any group")
+        if not _is_int(key):
+            raise TypeError(f"split key must be an int, got {key!r}")
+        return self._split(color, key)
+
+    def free(self) -> None:
+        """Release this communicator's resources (a local call); do not use it afterwards."""
+        self._free()
+
+    # ---- backend hooks -----------------------------------------------------------------
+
+    @abstractmethod
+    def _allreduce(self, tensor: torch.Tensor, op: str) -> None:
+        """Reduce ``tensor`` in place over all ranks (size > 1, op valid for its dtype)."""
+
+    @abstractmethod
+    def _allgather(self, tensor: torch.Tensor, out: torch.Tensor) -> None:
+        """Gather into ``out`` over all ranks."""
+
+    @abstractmethod
+    def _reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, op: str) -> None:
+        """Reduce and scatter into ``out`` over all ranks."""
+
+    @abstractmethod
+    def _broadcast(self, tensor: torch.Tensor, root: int) -> None:
+        """Broadcast ``tensor`` in place from ``root`` over all ranks."""
+
+    @abstractmethod
+    def _alltoall(self, tensor: torch.Tensor, out: torch.Tensor) -> None:
+        """Exchange equal dim-0 chunks into ``out`` over all ranks."""
+
+    @abstractmethod
+    def _barrier(self) -> None:
+        """Synchronise all ranks."""
+
+    @abstractmethod
+    def _send(self, tensor: torch.Tensor, dest: int, tag: int) -> None:
+        """Blocking send to ``dest``."""
+
+    @abstractmethod
+    def _recv(self, tensor: torch.Tensor, source: int, tag: int) -> None:
+        """Blocking receive from ``source`` into ``tensor``."""
+
+    @abstractmethod
+    def _isend(self, tensor: torch.Tensor, dest: int, tag: int) -> Request:
+        """Start a non-blocking send to ``dest``."""
+
+    @abstractmethod
+    def _irecv(self, tensor: torch.Tensor, source: int, tag: int) -> Request:
+        """Start a non-blocking receive from ``source``."""
+
+    @abstractmethod
+    def _split(self, color: int | None, key: int) -> Communicator:
+        """Split over all ranks (arguments already checked)."""
+
+    @abstractmethod
+    def _free(self) -> None:
+        """Release backend resources."""
+
+    # ---- input checks ------------------------------------------------------------------
+
+    def _check_tensor(self, tensor, what: str) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype not in SUPPORTED_DTYPES:
+            names = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
+            raise TypeError(f"{what} has dtype {tensor.dtype}, which the communicator does not "
+                            f"support; use one of: {names}")
+        if tensor.device != self.device:
+            raise ValueError(
+                f"{what} is on {tensor.device} but the {self.backend!r} backend communicates "
+                f"tensors on {self.device}; move it with {what}.to(comm.device) first")
+        if not tensor.is_contiguous():
+            raise ValueError(
+                f"{what} is not contiguous (shape {tuple(tensor.shape)}, stride "
+                f"{tuple(tensor.stride())}); communication needs one dense buffer: pass "
+                f"{what}.contiguous() (and copy back if you need the result in place)")
+
+    def _check_op(self, op, dtype: torch.dtype) -> None:
+        if op not in OPS:
+            raise ValueError(f"unknown reduction op {op!r}; expected one of {', '.join(OPS)}")
+        if dtype == torch.bool:
+            if op not in _BOOL_OPS:
+                raise ValueError(f"op={op!r} is not defined for bool tensors; use op='max' "
+                                 "(logical or) or op='min' (logical and), or convert to int")
+        elif op == "avg" and not dtype.is_floating_point:
+            raise ValueError(f"op='avg' needs a floating-point tensor, got {dtype}; use "
+                             "op='sum' and divide, or convert the tensor to float first")
+
+    def _check_rank(self, rank, what: str) -> None:
+        if not _is_int(rank):
+            raise TypeError(f"{what} must be an int rank, got {rank!r}")
+        if not 0 <= rank < self.size:
+            raise ValueError(f"{what}={rank} is not a rank of this communicator; "
+                             f"expected 0 <= {what} < size={self.size}")
+
+    def _check_p2p(self, tensor, peer, what: str, tag) -> None:
+        self._check_tensor(tensor, "tensor")
+        self._check_rank(peer, what)
+        if not _is_int(tag) or tag < 0:
+            raise ValueError(f"tag must be a non-negative int, got {tag!r}")
+
+    def _check_divisible(self, tensor: torch.Tensor, name: str) -> None:
+        _check_has_dim0(tensor, name)
+        if tensor.shape[0] % self.size:
+            raise ValueError(
+                f"{name} needs tensor.shape[0] divisible by the communicator size {self.size}, "
+                f"got shape {tuple(tensor.shape)}; pad dim 0 to a multiple of {self.size}")
+
+    def _out(self, out, tensor: torch.Tensor, shape: tuple, name: str) -> torch.Tensor:
+        """Return ``out`` after checking it, or a new tensor of ``shape`` when it is None."""
+        if out is None:
+            return torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+        self._check_tensor(out, "out")
+        if out.dtype != tensor.dtype:
+            raise TypeError(f"{name}: out has dtype {out.dtype} but tensor has {tensor.dtype}; "
+                            "they must match")
+        if tuple(out.shape) != tuple(shape):
+            raise ValueError(
+                f"{name}: out has shape {tuple(out.shape)} but a tensor of shape "
+                f"{tuple(tensor.shape)} on {self.size} ranks needs {tuple(shape)}; "
+                "pass out=None to allocate it")
+        if _overlaps(out, tensor):
+            raise ValueError(f"{name}: out overlaps the input tensor; pass a separate tensor "
+                             "or out=None")
+        return out
+
+
+class NullCommunicator(Communicator):
+    """The communicator of a rank outside a group: it is inactive and refuses to communicate."""
+
+    rank = -1
+    size = 0
+    device = torch.device("cpu")
+    is_active = False
+
+    def __init__(self, backend: str = "none"):
+        self.backend = backend
+
+    def free(self) -> None:
+        """Do nothing: a NullCommunicator holds no resources."""
+
+    _free = free
+
+
+def _not_member(name: str):
+    def method(self, *args, **kwargs):
+        raise RuntimeError(
+            f"{name}() on a NullCommunicator: this rank is not a member of this communicator "
+            "(it passed color=None to split); check comm.is_active before communicating")
+    method.__name__ = name
+    method.__doc__ = f"Raise RuntimeError: this rank is not a member, so it cannot {name}."
+    return method
+
+
+# Public methods and backend hooks alike raise on a NullCommunicator.
+for _name in ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall", "barrier",
+              "allreduce_scalars", "send", "recv", "isend", "irecv", "split"):
+    setattr(NullCommunicator, _name, _not_member(_name))
+    setattr(NullCommunicator, "_" + _name, _not_member(_name))
+update_abstractmethods(NullCommunicator)
+del _name
+
+
+def _wire(tensor: torch.Tensor) -> torch.Tensor:
+    """Detach (communication is outside autograd) and view bools as their uint8 bytes."""
+    tensor = tensor.detach()
+    return tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_has_dim0(tensor: torch.Tensor, name: str) -> None:
+    if tensor.dim() == 0:
+        raise ValueError(f"{name} works along dim 0 but got a 0-d tensor; "
+                         "pass tensor.reshape(1)")
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()

@@ -1,0 +1,132 @@
+"""MPI backend: CPU tensors handed to mpi4py as zero-copy numpy views.
+
+Only the uppercase (buffer) mpi4py calls are used on tensor paths: no pickling, no copies,
+except the float32 temporaries that half-precision reductions need (see ``_allreduce``).
+"""
+
+from __future__ import annotations
+
+import torch
+from mpi4py import MPI
+
+from .base import Communicator, NullCommunicator, Request
+
+__all__ = ["MPICommunicator", "MPIRequest", "world"]
+
+_MPI_TYPES = {
+    torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE,
+    torch.int32: MPI.INT32_T, torch.int64: MPI.INT64_T,
+    torch.int8: MPI.INT8_T, torch.uint8: MPI.UINT8_T, torch.bool: MPI.C_BOOL,
+}
+# No portable MPI datatype exists for these: move them as raw bytes, reduce them in float32.
+_HALF_TYPES = (torch.float16, torch.bfloat16)
+
+_MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
+
+
+def _as_buffer(tensor: torch.Tensor) -> list:
+    """Return ``[numpy view, MPI datatype]`` sharing memory with a contiguous CPU tensor."""
+    tensor = tensor.detach()
+    if tensor.dtype in _HALF_TYPES:
+        return [tensor.reshape(-1).view(torch.uint8).numpy(), MPI.BYTE]
+    return [tensor.numpy(), _MPI_TYPES[tensor.dtype]]
+
+
+class MPIRequest(Request):
+    """A pending mpi4py request; it holds the buffer so it cannot be freed before wait()."""
+
+    def __init__(self, request: MPI.Request, buffer: list):
+        self._request = request
+        self._buffer = buffer
+
+    def wait(self) -> None:
+        """Block until the operation completes."""
+        self._request.Wait()
+        self._buffer = None
+
+    def test(self) -> bool:
+        """Return True if the operation has completed, without blocking."""
+        done = self._request.Test()
+        if done:
+            self._buffer = None
+        return done
+
+
+class MPICommunicator(Communicator):
+    """Communicator over an mpi4py intracommunicator; tensors must live on the CPU."""
+
+    backend = "mpi"
+    device = torch.device("cpu")
+
+    def __init__(self, comm: MPI.Intracomm, *, owned: bool = False):
+        if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
+            raise TypeError(f"MPICommunicator needs an mpi4py intracommunicator, got {comm!r}; "
+                            "ranks outside a group use NullCommunicator instead")
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self._owned = owned  # only communicators we created (split) are ours to Free
+
+    def _allreduce(self, tensor, op):
+        if tensor.dtype in _HALF_TYPES:
+            # MPI cannot add float16/bfloat16: reduce a float32 copy, average there (so a
+            # sum that overflows float16 still gives a finite mean), then cast back.
+            tmp = tensor.float()
+            self._allreduce(tmp, op)
+            tensor.copy_(tmp)
+            return
+        self.comm.Allreduce(MPI.IN_PLACE, _as_buffer(tensor), op=_MPI_OPS[op])
+        if op == "avg":
+            tensor.div_(self.size)
+
+    def _allgather(self, tensor, out):
+        self.comm.Allgather(_as_buffer(tensor), _as_buffer(out))
+
+    def _reduce_scatter(self, tensor, out, op):
+        if tensor.dtype in _HALF_TYPES:  # float32 round trip, as in _allreduce
+            tmp = torch.empty(out.shape, dtype=torch.float32)
+            self._reduce_scatter(tensor.float(), tmp, op)
+            out.copy_(tmp)
+            return
+        self.comm.Reduce_scatter_block(_as_buffer(tensor), _as_buffer(out), op=_MPI_OPS[op])
+        if op == "avg":
+            out.div_(self.size)
+
+    def _broadcast(self, tensor, root):
+        self.comm.Bcast(_as_buffer(tensor), root=root)
+
+    def _alltoall(self, tensor, out):
+        self.comm.Alltoall(_as_buffer(tensor), _as_buffer(out))
+
+    def _barrier(self):
+        self.comm.Barrier()
+
+    def _send(self, tensor, dest, tag):
+        self.comm.Send(_as_buffer(tensor), dest=dest, tag=tag)
+
+    def _recv(self, tensor, source, tag):
+        self.comm.Recv(_as_buffer(tensor), source=source, tag=tag)
+
+    def _isend(self, tensor, dest, tag):
+        buf = _as_buffer(tensor)
+        return MPIRequest(self.comm.Isend(buf, dest=dest, tag=tag), buf)
+
+    def _irecv(self, tensor, source, tag):
+        buf = _as_buffer(tensor)
+        return MPIRequest(self.comm.Irecv(buf, source=source, tag=tag), buf)
+
+    def _split(self, color, key):
+        sub = self.comm.Split(MPI.UNDEFINED if color is None else color, key)
+        if sub == MPI.COMM_NULL:
+            return NullCommunicator(self.backend)
+        return MPICommunicator(sub, owned=True)
+
+    def _free(self):
+        if self._owned and self.comm != MPI.COMM_NULL:
+            self.comm.Free()  # sets self.comm to COMM_NULL, so a second free() is harmless
+
+
+def world() -> MPICommunicator:
+    """Return a communicator over MPI.COMM_WORLD (all ranks of the job)."""
+    return MPICommunicator(MPI.COMM_WORLD)
+

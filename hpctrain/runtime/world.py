@@ -1,0 +1,141 @@
+"""The world: MPI init, ranks, nodes, the device of this rank, and its communicators."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+
+from hpctrain.runtime.comm import Communicator
+from hpctrain.runtime.device import bind_device
+from hpctrain.runtime.launcher import LaunchInfo, detect_launcher
+
+__all__ = ["World", "init_world", "ranks_per_node_override"]
+
+_WORLD: "World | None" = None
+
+
+@dataclass
+class World:
+    """Everything a rank knows about the job. Built once per process by init_world()."""
+
+    launch: LaunchInfo
+    mpi_comm: object            # mpi4py MPI.Comm of all ranks (for Horovod and parallel HDF5)
+    host: Communicator          # MPI communicator over all ranks, host (CPU) tensors
+    comm: Communicator          # device communicator over all ranks (MPI on CPU, NCCL on GPU)
+    node: Communicator          # ranks on this node (host side)
+    cross: Communicator         # ranks with the same local rank on every node (host side)
+    device: torch.device
+    _meshes: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def rank(self) -> int:
+        return self.host.rank
+
+    @property
+    def size(self) -> int:
+        return self.host.size
+
+    @property
+    def local_rank(self) -> int:
+        return self.node.rank
+
+    @property
+    def local_size(self) -> int:
+        return self.node.size
+
+    @property
+    def node_rank(self) -> int:
+        return self.cross.rank
+
+    @property
+    def num_nodes(self) -> int:
+        return self.cross.size
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def mesh(self, layout):
+        """Return the Mesh for a layout (built on first use; collective over all ranks)."""
+        from hpctrain.runtime.mesh import Mesh, MeshLayout
+
+        layout = MeshLayout.parse(layout) if isinstance(layout, str) else layout
+        key = layout.resolve(self.size)
+        if key not in self._meshes:
+            self._meshes[key] = Mesh(self.comm, key)
+        return self._meshes[key]
+
+    def describe(self, strategy: str = "", mesh: str = "") -> str:
+        """One line for rank 0 to print at start: launcher, ranks, nodes, device, mesh, strategy."""
+        parts = [f"launcher={self.launch.launcher}", f"ranks={self.size}", f"nodes={self.num_nodes}",
+                 f"ranks/node={self.local_size}", f"device={self.device.type}",
+                 f"comm={self.comm.backend}"]
+        if mesh:
+            parts.append(f"mesh={mesh}")
+        if strategy:
+            parts.append(f"strategy={strategy}")
+        return "hpctrain: " + " ".join(parts)
+
+
+def ranks_per_node_override(env: Mapping[str, str], configured: int = 0) -> int:
+    """Return the ranks-per-node to pretend (0: use the real nodes); config wins over env."""
+    if configured:
+        return configured
+    raw = env.get("HPCTRAIN_RANKS_PER_NODE", "").strip()
+    if not raw:
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"HPCTRAIN_RANKS_PER_NODE={raw!r} is not an integer") from None
+    if value < 1:
+        raise ValueError(f"HPCTRAIN_RANKS_PER_NODE={raw!r} must be >= 1")
+    return value
+
+
+def init_world(ranks_per_node: int = 0, device: str = "auto", env: Mapping[str, str] | None = None) -> World:
+    """Initialise MPI and build the world (collective over all ranks; idempotent per process).
+
+    ranks_per_node > 0 pretends nodes of that many consecutive ranks, so multi-node layouts
+    (HYBRID_SHARD, cross-node groups) can be tested on one machine.
+    """
+    global _WORLD
+    if _WORLD is not None:
+        return _WORLD
+    env = os.environ if env is None else env
+    launch = detect_launcher(env)
+    per_node = ranks_per_node_override(env, ranks_per_node)
+
+    from mpi4py import MPI  # initialises MPI (thread level MPI_THREAD_MULTIPLE by default)
+
+    from hpctrain.runtime.comm.mpi import MPICommunicator
+
+    world_mpi = MPI.COMM_WORLD
+    rank, size = world_mpi.Get_rank(), world_mpi.Get_size()
+    if per_node:
+        if size % per_node:
+            raise ValueError(f"ranks_per_node={per_node} does not divide the world size {size}")
+        node_mpi = world_mpi.Split(color=rank // per_node, key=rank)
+    else:
+        node_mpi = world_mpi.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    cross_mpi = world_mpi.Split(color=node_mpi.Get_rank(), key=rank)
+    host = MPICommunicator(world_mpi)
+    node = MPICommunicator(node_mpi)
+    cross = MPICommunicator(cross_mpi)
+
+    local_env = dict(env)
+    if device != "auto":
+        local_env["HPCTRAIN_DEVICE"] = device
+    dev = bind_device(node.rank, node.size, local_env)
+    if dev.type == "cuda":
+        from hpctrain.runtime.comm.torchdist import TorchDistCommunicator
+
+        comm = TorchDistCommunicator.create(world_mpi, backend="nccl")
+    else:
+        comm = host
+    _WORLD = World(launch=launch, mpi_comm=world_mpi, host=host, comm=comm, node=node,
+                   cross=cross, device=dev)
+    return _WORLD

@@ -1,0 +1,33 @@
+"""The orchestrator's config reading: typed strategy options and the optimizer factory."""
+
+from __future__ import annotations
+
+import torch
+
+from hpctrain.config import Config, TrainSection
+
+__all__ = ["make_optimizer_factory", "strategy_options"]
+
+
+def make_optimizer_factory(t: TrainSection):
+    """Return params -> optimizer for the configured optimizer (strategies call it)."""
+    def make(params):
+        if t.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+        if t.optimizer == "adamw":
+            return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+        raise ValueError(f"optimizer {t.optimizer!r}: expected sgd or adamw")
+    return make
+
+
+def strategy_options(cfg: Config):
+    """Build the typed options object of the configured strategy from its config table."""
+    s = cfg.train.strategy
+    if s == "ddp":
+        from hpctrain.parallel.ddp import DDPOptions
+
+        d = cfg.ddp
+        return DDPOptions(fp16_compression=d.fp16_compression,
+                          fusion_threshold_mb=d.fusion_threshold_mb,
+                          cycle_time_ms=d.cycle_time_ms, grad_accum=cfg.train.grad_accum)
+    return None

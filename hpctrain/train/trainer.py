@@ -1,0 +1,119 @@
+"""The training loop: global batch -> micro-batches per rank -> strategy step -> metrics."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from hpctrain import parallel
+from hpctrain.config import Config
+from hpctrain.data.sampler import GlobalBatchSampler, collate
+from hpctrain.models.registry import BuiltModel, build
+from hpctrain.train.activation_checkpointing import checkpoint_blocks
+from hpctrain.train.metrics import MetricsCSV, peak_rss_mb, write_summary
+from hpctrain.train.precision import Precision
+from hpctrain.train.progress import Progress
+from hpctrain.train.strategy import make_optimizer_factory, strategy_options
+
+__all__ = ["Trainer", "build_model"]
+
+
+def build_model(cfg: Config) -> BuiltModel:
+    """Build model, data set and loss from the config (no communication; raises ValueError)."""
+    return build(cfg.train.model, cfg.train.seed, **cfg.train.model_options)
+
+
+class Trainer:
+    """Train ``cfg.train.model`` with ``cfg.train.strategy``; ``fit()`` returns the summary dict.
+
+    The global batch of each step is the same whatever the world size; each rank's
+    micro-batch loss is weighted by its share of that batch, so summed gradients equal the
+    single-process mean gradient.
+    """
+
+    def __init__(self, cfg: Config, world=None, built: BuiltModel | None = None):
+        self.cfg = cfg
+        self.built = built if built is not None else build_model(cfg)
+        if world is None:
+            from hpctrain.runtime.world import init_world
+
+            world = init_world(cfg.runtime.ranks_per_node, cfg.runtime.device)
+        self.world = world
+        cfg.validate(world.size)
+        t = cfg.train
+        if t.activation_checkpointing:
+            checkpoint_blocks(self.built.model)
+        self.precision = Precision(t.precision, world.device)
+        self.par = parallel.wrap(t.strategy, self.built.model, make_optimizer_factory(t), world,
+                                 strategy_options(cfg))
+        self.sampler = GlobalBatchSampler(len(self.built.dataset), t.global_batch_size, t.seed,
+                                          world.rank, world.size, t.grad_accum)
+
+    def _train_step(self, step: int) -> float:
+        """Run one optimizer step; return this rank's weighted share of the global mean loss."""
+        t, b = self.cfg.train, self.built
+        local = 0.0
+        for indices in self.sampler.micro_batches(step):
+            weight = len(indices) / t.global_batch_size
+            if weight == 0:
+                continue
+            x, y = collate(b.dataset, indices)
+            x, y = x.to(self.world.device, non_blocking=True), y.to(self.world.device, non_blocking=True)
+            with self.precision.autocast():
+                loss = b.loss_fn(self.par.model(x), y)
+            self.par.backward(self.precision.scale(loss * weight))
+            local += float(loss.detach()) * weight
+        self.par.step(self.precision.scaler, t.max_grad_norm)
+        return local
+
+    def fit(self) -> dict:
+        """Train for cfg.train.steps steps; write metrics and the summary on rank 0."""
+        t, world = self.cfg.train, self.world
+        main = world.is_main
+        if main:
+            print(world.describe(strategy=t.strategy, mesh=self.cfg.runtime.mesh), flush=True)
+        units_per_step = t.global_batch_size * self.built.units_per_sample
+        progress = Progress(t.steps, main, t.progress, t.log_every, self.built.unit)
+        csv = MetricsCSV(t.out_dir, main)
+        losses: list[float] = []
+        self.par.model.train()
+        start = time.perf_counter()
+        try:
+            for step in range(t.steps):
+                t0 = time.perf_counter()
+                local = self._train_step(step)
+                loss = world.host.allreduce_scalars([local])[0]
+                dt = time.perf_counter() - t0
+                losses.append(loss)
+                lr = self.par.optimizer.param_groups[0]["lr"]
+                progress.update(step, loss, units_per_step / dt)
+                csv.write(step=step + 1, loss=f"{loss:.8g}", lr=lr, units_per_s=f"{units_per_step / dt:.6g}",
+                          elapsed_s=f"{time.perf_counter() - start:.4f}")
+        finally:
+            progress.close()
+            csv.close()
+        elapsed = time.perf_counter() - start
+        summary = {
+            "strategy": t.strategy,
+            "world_size": world.size,
+            "steps": t.steps,
+            "losses": losses,
+            "final_loss": losses[-1],
+            "param_norm": self.par.param_norm(),
+            "tokens_or_samples_per_s": units_per_step * t.steps / elapsed,
+            "unit": self.built.unit,
+            "peak_rss_mb": world.host.allreduce_scalars([peak_rss_mb()], op="max")[0],
+            "model": self.built.name,
+            "precision": t.precision,
+            "global_batch_size": t.global_batch_size,
+            "grad_accum": t.grad_accum,
+            "elapsed_s": elapsed,
+        }
+        if main:
+            print(f"done: {t.steps} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+                  f"{summary['tokens_or_samples_per_s']:,.0f} {self.built.unit}/s, "
+                  f"peak RSS {summary['peak_rss_mb']:.0f} MiB/rank", flush=True)
+            if t.summary:
+                write_summary(t.summary, summary)
+        return summary

@@ -1,0 +1,55 @@
+"""Run a command under a real ``mpirun`` (Open MPI, oversubscribed, as root if needed)."""
+
+import os
+import subprocess
+import sys
+
+__all__ = ["mpi_env", "run_mpi", "run_single"]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def mpi_env(extra=None):
+    """Environment for test ranks: one torch thread each, the repo on PYTHONPATH."""
+    env = dict(os.environ)
+    env.update(
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        OMP_NUM_THREADS="1",
+        OMPI_MCA_rmaps_base_oversubscribe="1",
+        # Loopback only: no interface probing, no warnings about missing fabrics.
+        OMPI_MCA_btl="self,vader,tcp",
+        OMPI_MCA_btl_tcp_if_include="lo",
+        OMPI_MCA_oob_tcp_if_include="lo",
+        PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""),
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    if extra:
+        env.update(extra)
+    return env
+
+
+def run_mpi(n, args, timeout=300, env=None, check=True, cwd=None):
+    """Run ``python args...`` on ``n`` ranks; return the CompletedProcess (text output)."""
+    cmd = ["mpirun", "-n", str(n), "--oversubscribe", "--bind-to", "none",
+           sys.executable] + list(args)
+    proc = subprocess.run(cmd, env=mpi_env(env), cwd=cwd or ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"mpirun -n {n} {' '.join(args)} exited {proc.returncode}\n"
+            f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def run_single(args, timeout=300, env=None, check=True, cwd=None):
+    """Run ``python args...`` as one plain process (no launcher)."""
+    e = mpi_env(env)
+    proc = subprocess.run([sys.executable] + list(args), env=e, cwd=cwd or ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"python {' '.join(args)} exited {proc.returncode}\n"
+            f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}")
+    return proc

@@ -1,0 +1,234 @@
+"""Run under mpirun: check every Communicator op against values computed locally.
+
+Usage: ``python tests/runtime/comm_worker.py mpi|gloo``. Raises (exit code != 0) on any
+mismatch; rank 0 prints ``comm_worker OK`` at the end.
+"""
+
+import sys
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from hpctrain.runtime.comm import NullCommunicator, TorchDistCommunicator, world
+from hpctrain.runtime.comm.mpi import _as_buffer
+
+__all__ = ["check_all", "main"]
+
+FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+DTYPES = FLOATS + (torch.int64, torch.int32, torch.int8, torch.uint8)
+
+
+def expect(got, want, what):
+    """Raise AssertionError unless tensors (or lists) are equal."""
+    if isinstance(got, torch.Tensor):
+        ok = got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+    else:
+        ok = got == want
+    if not ok:
+        raise AssertionError(f"{what}: got {got!r}, want {want!r}")
+
+
+def expect_raises(exc, fragment, fn, what):
+    try:
+        fn()
+    except exc as err:
+        if fragment not in str(err):
+            raise AssertionError(f"{what}: message {str(err)!r} lacks {fragment!r}") from err
+        return
+    raise AssertionError(f"{what}: no {exc.__name__} raised")
+
+
+def check_reductions(comm):
+    r, n = comm.rank, comm.size
+    total = n * (n + 1) // 2                      # sum over ranks of (rank + 1)
+    for dt in DTYPES:
+        t = torch.full((2, 3), r + 1, dtype=dt)
+        expect(comm.allreduce(t), torch.full((2, 3), total, dtype=dt), f"allreduce sum {dt}")
+        t = torch.full((5,), r + 1, dtype=dt)
+        expect(comm.allreduce(t, op="max"), torch.full((5,), n, dtype=dt), f"max {dt}")
+        t = torch.full((5,), r + 1, dtype=dt)
+        expect(comm.allreduce(t, op="min"), torch.full((5,), 1, dtype=dt), f"min {dt}")
+    for dt in FLOATS:
+        t = torch.full((4,), float(2 * r), dtype=dt)
+        expect(comm.allreduce(t, op="avg"), torch.full((4,), float(n - 1), dtype=dt), f"avg {dt}")
+    for dt in (torch.float64, torch.int64):
+        t = torch.full((3,), 2, dtype=dt)
+        expect(comm.allreduce(t, op="prod"), torch.full((3,), 2 ** n, dtype=dt), f"prod {dt}")
+    flags = torch.tensor([r == 0, True, False])
+    expect(comm.allreduce(flags.clone(), op="max"), torch.tensor([True, True, False]), "bool or")
+    expect(comm.allreduce(flags.clone(), op="min"), torch.tensor([n == 1, True, False]),
+           "bool and")
+    expect(comm.allreduce(torch.tensor(float(r))), torch.tensor(float(n * (n - 1) // 2)), "0-d")
+    # Autograd leaves are communicated through a detached view, in place.
+    leaf = torch.ones(3, requires_grad=True)
+    comm.allreduce(leaf)
+    expect(leaf.detach(), torch.full((3,), float(n)), "requires_grad leaf")
+    expect(comm.allreduce_scalars([r, 1.0, 0.5]), [float(n * (n - 1) // 2), float(n), n / 2],
+           "scalars sum")
+    expect(comm.allreduce_scalars([r], op="max"), [float(n - 1)], "scalars max")
+    expect(comm.allreduce_scalars([], op="avg"), [], "scalars empty")
+
+
+def check_gather_scatter(comm):
+    r, n = comm.rank, comm.size
+    for dt in DTYPES + (torch.bool,):
+        t = torch.full((2, 3), r % 2 if dt == torch.bool else r, dtype=dt)
+        want = torch.arange(n).repeat_interleave(2)[:, None].expand(2 * n, 3)
+        want = (want % 2 if dt == torch.bool else want).to(dt).contiguous()
+        expect(comm.allgather(t), want, f"allgather {dt}")
+        out = torch.empty(2 * n, 3, dtype=dt)
+        got = comm.allgather(t, out=out)
+        expect(got, want, f"allgather out= {dt}")
+        if got.data_ptr() != out.data_ptr():
+            raise AssertionError("allgather did not return out")
+    for dt in DTYPES:
+        # Rank r contributes row i = r + i; the sum over ranks is sum(r) + n * i.
+        rows = torch.arange(3 * n)[:, None].expand(3 * n, 2)
+        t = (rows + r).to(dt).contiguous()
+        want_full = rows * n + n * (n - 1) // 2
+        want = want_full[3 * r:3 * r + 3].to(dt)
+        expect(comm.reduce_scatter(t), want, f"reduce_scatter {dt}")
+        expect(comm.reduce_scatter(t, op="max"), (rows + n - 1)[3 * r:3 * r + 3].to(dt),
+               f"reduce_scatter max {dt}")
+        if dt.is_floating_point:
+            out = torch.empty(3, 2, dtype=dt)
+            got = comm.reduce_scatter(t, out=out, op="avg")
+            expect(got, (want_full.double() / n)[3 * r:3 * r + 3].to(dt),
+                   f"reduce_scatter avg {dt}")
+    for dt in DTYPES + (torch.bool,):
+        # Chunk j of rank r is 10 * r + j and goes to rank j.
+        t = (10 * r + torch.arange(n)).repeat_interleave(2)
+        want = (10 * torch.arange(n) + r).repeat_interleave(2)
+        if dt == torch.bool:
+            t, want = t % 3 == 0, want % 3 == 0
+        expect(comm.alltoall(t.to(dt)), want.to(dt), f"alltoall {dt}")
+
+
+def check_broadcast(comm):
+    r, n = comm.rank, comm.size
+    root = 1 if n > 1 else 0
+    for dt in DTYPES + (torch.bool,):
+        t = torch.full((3, 2), r + 7, dtype=dt) if dt != torch.bool else torch.tensor([r == root])
+        want = torch.full((3, 2), root + 7, dtype=dt) if dt != torch.bool else torch.tensor([True])
+        got = comm.broadcast(t, root=root)
+        expect(got, want, f"broadcast {dt}")
+        if got is not t:
+            raise AssertionError("broadcast is not in place")
+
+
+def check_p2p(comm, backend):
+    r, n = comm.rank, comm.size
+    right, left = (r + 1) % n, (r - 1) % n
+    if n > 1:
+        for dt in (torch.float32, torch.bfloat16, torch.int64):
+            msg, buf = torch.full((4,), r + 1, dtype=dt), torch.zeros(4, dtype=dt)
+            if r % 2 == 0:  # even ranks send first so the blocking ring cannot deadlock
+                comm.send(msg, right, tag=3)
+                comm.recv(buf, left, tag=3)
+            else:
+                got = comm.recv(buf, left, tag=3)
+                if got is not buf:
+                    raise AssertionError("recv did not return its buffer")
+                comm.send(msg, right, tag=3)
+            expect(buf, torch.full((4,), left + 1, dtype=dt), f"ring send/recv {dt}")
+    if n > 1 or backend == "mpi":  # torch.distributed cannot send to itself
+        for dt in (torch.float32, torch.float16):
+            msg, buf = torch.full((2, 2), r + 1, dtype=dt), torch.zeros(2, 2, dtype=dt)
+            recv_req = comm.irecv(buf, left, tag=5)
+            send_req = comm.isend(msg, right, tag=5)
+            send_req.wait()
+            recv_req.wait()
+            if not (recv_req.test() and send_req.test()):
+                raise AssertionError("test() is False after wait()")
+            expect(buf, torch.full((2, 2), left + 1, dtype=dt), f"isend/irecv {dt}")
+    comm.barrier()
+
+
+def check_all(comm, backend):
+    """Run every data check on ``comm``."""
+    check_reductions(comm)
+    check_gather_scatter(comm)
+    check_broadcast(comm)
+    check_p2p(comm, backend)
+
+
+def check_splits(comm, backend):
+    r, n = comm.rank, comm.size
+    parity = comm.split(r % 2, key=r)
+    expect((parity.rank, parity.size), (r // 2, (n - r % 2 + 1) // 2), "even/odd split")
+    check_all(parity, backend)
+    nested = parity.split(0, key=-parity.rank)  # a split of a subgroup
+    expect(nested.rank, parity.size - 1 - parity.rank, "nested split rank")
+    check_all(nested, backend)
+    nested.free()
+    parity.free()
+
+    reverse = comm.split(0, key=-r)  # a key that reverses the rank order
+    expect(reverse.rank, n - 1 - r, "reversed split rank")
+    got = reverse.allgather(torch.tensor([r]))
+    expect(got, torch.arange(n - 1, -1, -1), "reversed split allgather order")
+    check_all(reverse, backend)
+    reverse.free()
+
+    again = comm.split(r % 2, key=r)  # the same groups again must work (they are reused)
+    expect(again.allreduce(torch.ones(1)), torch.full((1,), float(again.size)), "re-split")
+    again.free()
+
+    partial = comm.split(None if r % 2 else 0)
+    if r % 2:
+        check_null(partial, backend)
+    else:
+        expect(partial.size, (n + 1) // 2, "partial split size")
+        expect(partial.allreduce(torch.ones(1)), torch.full((1,), float(partial.size)), "partial")
+    partial.free()
+    check_null(comm.split(None), backend)
+
+
+def check_null(null, backend):
+    if not isinstance(null, NullCommunicator):
+        raise AssertionError(f"expected a NullCommunicator, got {null!r}")
+    expect((null.is_active, null.rank, null.size, null.backend), (False, -1, 0, backend),
+           "NullCommunicator attributes")
+    expect_raises(RuntimeError, "not a member", lambda: null.allreduce(torch.ones(1)), "null")
+    expect_raises(RuntimeError, "not a member", lambda: null.send(torch.ones(1), 0), "null send")
+    expect_raises(RuntimeError, "not a member", null.barrier, "null barrier")
+    null.free()
+    null.free()
+
+
+def check_zero_copy():
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    view, datatype = _as_buffer(t)
+    if not np.shares_memory(view, t.numpy()) or datatype != MPI.FLOAT:
+        raise AssertionError("the MPI buffer of a float32 tensor is a copy")
+    h = torch.ones(5, dtype=torch.bfloat16)
+    view, datatype = _as_buffer(h)
+    if view.ctypes.data != h.data_ptr() or view.nbytes != 10 or datatype != MPI.BYTE:
+        raise AssertionError("the MPI buffer of a bfloat16 tensor is not its raw bytes")
+
+
+def main(backend):
+    if backend == "mpi":
+        comm = world()
+        check_zero_copy()
+    else:
+        comm = TorchDistCommunicator.create(MPI.COMM_WORLD, backend=backend, timeout_s=60)
+        expect(str(comm.device), "cpu", "gloo device")
+        again = TorchDistCommunicator.create(MPI.COMM_WORLD, backend=backend)  # reuses
+        again.free()  # must not tear down the default group it did not create
+    expect((comm.backend, comm.rank, comm.size),
+           (backend, MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size), "attributes")
+    check_all(comm, backend)
+    check_splits(comm, backend)
+    if backend != "mpi":  # the list-based fallbacks for backends without tensor collectives
+        comm._native_collectives = False
+        check_gather_scatter(comm)
+    comm.barrier()
+    comm.free()
+    if comm.rank == 0:
+        print(f"comm_worker OK backend={backend} size={comm.size}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

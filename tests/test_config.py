@@ -1,0 +1,74 @@
+"""Config: defaults, TOML + overrides, validation errors (no MPI)."""
+
+import pytest
+
+from hpctrain.config import Config, ConfigError, load_config, parse_assignment
+
+
+def test_defaults_validate():
+    cfg = Config().validate(1)
+    assert cfg.train.strategy == "single" and cfg.train.model == "gpt"
+
+
+def test_toml_then_overrides(tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_text('[train]\nmodel = "mlp"\nsteps = 7\nlr = 1\n[ddp]\nfp16_compression = true\n'
+                 '[train.model_options]\nhidden = 5\n')
+    cfg = load_config(str(f), [{"train": {"steps": 9}}])
+    assert (cfg.train.model, cfg.train.steps, cfg.train.lr) == ("mlp", 9, 1.0)
+    assert cfg.ddp.fp16_compression is True
+    assert cfg.train.model_options == {"hidden": 5}
+
+
+def test_round_trip_toml(tmp_path):
+    cfg = load_config(None, [{"train": {"model": 'we"ird', "model_options": {"a": 1}}},
+                             {"runtime": {"mesh": "dp=2"}}])
+    f = tmp_path / "c.toml"
+    f.write_text(cfg.to_toml())
+    assert load_config(str(f)).to_dict() == cfg.to_dict()
+
+
+@pytest.mark.parametrize("override, words", [
+    ({"train": {"steps": 0}}, ["train.steps", ">= 1"]),
+    ({"train": {"optimizer": "lamb"}}, ["train.optimizer", "sgd, adamw"]),
+    ({"train": {"strategy": "nope"}}, ["train.strategy", "single"]),
+    ({"train": {"lr": "fast"}}, ["train.lr", "a number"]),
+    ({"train": {"steps": 2.5}}, ["train.steps", "an integer"]),
+    ({"train": {"steps": True}}, ["train.steps", "an integer"]),
+    ({"train": {"activation_checkpointing": 1}}, ["activation_checkpointing", "true or false"]),
+    ({"train": {"stepz": 3}}, ["unknown key train.stepz", "steps"]),
+    ({"trian": {"steps": 3}}, ["unknown table [trian]"]),
+    ({"train": {"lr": float("nan")}}, ["train.lr", "finite"]),
+    ({"train": {"grad_accum": 64}}, ["grad_accum", "global_batch_size"]),
+])
+def test_bad_values_name_the_key(override, words):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override]).validate(1)
+    for w in words:
+        assert w in str(err.value)
+
+
+def test_world_size_rules():
+    with pytest.raises(ConfigError, match="launcher started 4 ranks"):
+        Config().validate(4)
+    cfg = load_config(None, [{"train": {"strategy": "ddp", "global_batch_size": 6, "grad_accum": 2}}])
+    cfg.validate(3)
+    with pytest.raises(ConfigError, match="fewer than the 4 ranks"):
+        cfg.validate(4)
+
+
+def test_missing_and_broken_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "none.toml"))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(str(bad))
+
+
+def test_parse_assignment():
+    assert parse_assignment("ddp.fp16_compression=true") == {"ddp": {"fp16_compression": True}}
+    assert parse_assignment("train.optimizer=adamw") == {"train": {"optimizer": "adamw"}}
+    assert parse_assignment("train.lr=1e-3") == {"train": {"lr": 1e-3}}
+    with pytest.raises(ConfigError, match="section.key=value"):
+        parse_assignment("lr=3")
