@@ -69,6 +69,7 @@ class DDPSection:
     fusion_threshold_mb: float = _f(128.0, "Horovod tensor fusion buffer (HOROVOD_FUSION_THRESHOLD)",
                                     min=0.0)
     cycle_time_ms: float = _f(1.0, "Horovod cycle time (HOROVOD_CYCLE_TIME)", min=0.0)
+    sync_batchnorm: bool = _f(True, "BatchNorm statistics over the global batch (all ranks)")
 
 
 @dataclass

@@ -68,6 +68,13 @@ class Parallelized:
         self._optimizer_step(scaler)
         self.optimizer.zero_grad()  # torch >= 2.0 sets grads to None (Horovod takes no args)
 
+    def buffer_norm(self) -> float:
+        """Global L2 norm of the floating-point buffers (e.g. BatchNorm running statistics)."""
+        with torch.no_grad():
+            sq = sum(float(b.detach().double().pow(2).sum()) for b in self.model.buffers()
+                     if b.is_floating_point())
+        return math.sqrt(sq)
+
     def param_norm(self) -> float:
         """Global L2 norm of all parameters (each shared parameter counted once)."""
         with torch.no_grad():

@@ -15,18 +15,21 @@ import torch
 from torch import nn
 
 from hpctrain.parallel.base import OptimizerFactory, Parallelized
+from hpctrain.parallel.sync_batchnorm import convert_sync_batchnorm
 
 __all__ = ["DDPOptions", "wrap"]
 
 
 @dataclass(frozen=True)
 class DDPOptions:
-    """Horovod knobs: fp16 gradient compression, tensor fusion, micro-batches per step."""
+    """Horovod knobs: fp16 gradient compression, tensor fusion, micro-batches per step, and
+    whether BatchNorm layers use global-batch statistics."""
 
     fp16_compression: bool = False
     fusion_threshold_mb: float = 128.0
     cycle_time_ms: float = 1.0
     grad_accum: int = 1
+    sync_batchnorm: bool = True
 
 
 def _init_horovod(mpi_comm, opts: DDPOptions):
@@ -80,6 +83,8 @@ def wrap(model: nn.Module, make_optimizer: OptimizerFactory, world, options: DDP
                            "HOROVOD_GPU_OPERATIONS=NCCL (make setup with CUDA loaded)")
     hvd = _init_horovod(world.mpi_comm, opts)
     model.to(world.device)
+    if opts.sync_batchnorm:  # batch statistics of the global batch, as in one process
+        model = convert_sync_batchnorm(model, world.comm)
     # Parameters AND buffers from rank 0, so a user model with random init still agrees.
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     optimizer = make_optimizer(model.parameters())

@@ -29,5 +29,6 @@ def strategy_options(cfg: Config):
         d = cfg.ddp
         return DDPOptions(fp16_compression=d.fp16_compression,
                           fusion_threshold_mb=d.fusion_threshold_mb,
-                          cycle_time_ms=d.cycle_time_ms, grad_accum=cfg.train.grad_accum)
+                          cycle_time_ms=d.cycle_time_ms, grad_accum=cfg.train.grad_accum,
+                          sync_batchnorm=d.sync_batchnorm)
     return None

@@ -101,6 +101,7 @@ class Trainer:
             "losses": losses,
             "final_loss": losses[-1],
             "param_norm": self.par.param_norm(),
+            "buffer_norm": self.par.buffer_norm(),
             "tokens_or_samples_per_s": units_per_step * t.steps / elapsed,
             "unit": self.built.unit,
             "peak_rss_mb": world.host.allreduce_scalars([peak_rss_mb()], op="max")[0],
