@@ -7,7 +7,7 @@ from typing import Mapping
 
 import torch
 
-__all__ = ["cpu_threads", "select_device", "bind_device", "available_cpus"]
+__all__ = ["positive_int_env", "cpu_threads", "select_device", "bind_device", "available_cpus"]
 
 _NO_GPU_FIX = (
     "run on a GPU node and request GPUs from the scheduler (e.g. srun --gpus-per-task=1, "
@@ -15,7 +15,7 @@ _NO_GPU_FIX = (
     "CUDA build of torch, or set HPCTRAIN_DEVICE=cpu")
 
 
-def _positive_int(env: Mapping[str, str], name: str) -> int | None:
+def positive_int_env(env: Mapping[str, str], name: str) -> int | None:
     """Return the positive integer in ``env[name]``, None when unset; ValueError when malformed."""
     raw = (env.get(name) or "").strip()
     if not raw:
@@ -40,7 +40,7 @@ def cpu_threads(env: Mapping[str, str], local_size: int, cpu_count: int) -> int:
     if local_size < 1:
         raise ValueError(f"local_size={local_size} must be at least 1")
     for name in ("SLURM_CPUS_PER_TASK", "OMP_NUM_THREADS"):
-        value = _positive_int(env, name)
+        value = positive_int_env(env, name)
         if value is not None:
             return value
     return max(1, int(cpu_count or 1) // local_size)

@@ -9,7 +9,7 @@ from typing import Mapping
 import torch
 
 from hpctrain.runtime.comm import Communicator
-from hpctrain.runtime.device import bind_device
+from hpctrain.runtime.device import bind_device, positive_int_env
 from hpctrain.runtime.launcher import LaunchInfo, detect_launcher
 
 __all__ = ["World", "init_world", "ranks_per_node_override"]
@@ -84,16 +84,7 @@ def ranks_per_node_override(env: Mapping[str, str], configured: int = 0) -> int:
     """Return the ranks-per-node to pretend (0: use the real nodes); config wins over env."""
     if configured:
         return configured
-    raw = env.get("HPCTRAIN_RANKS_PER_NODE", "").strip()
-    if not raw:
-        return 0
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"HPCTRAIN_RANKS_PER_NODE={raw!r} is not an integer") from None
-    if value < 1:
-        raise ValueError(f"HPCTRAIN_RANKS_PER_NODE={raw!r} must be >= 1")
-    return value
+    return positive_int_env(env, "HPCTRAIN_RANKS_PER_NODE") or 0
 
 
 def init_world(ranks_per_node: int = 0, device: str = "auto", env: Mapping[str, str] | None = None) -> World:

@@ -23,7 +23,7 @@ def test_ranks_per_node_override_parsing():
     assert ranks_per_node_override({}, 0) == 0
     assert ranks_per_node_override({"HPCTRAIN_RANKS_PER_NODE": "2"}, 0) == 2
     assert ranks_per_node_override({"HPCTRAIN_RANKS_PER_NODE": "2"}, 3) == 3
-    with pytest.raises(ValueError, match="not an integer"):
+    with pytest.raises(ValueError, match="not a positive integer"):
         ranks_per_node_override({"HPCTRAIN_RANKS_PER_NODE": "two"})
-    with pytest.raises(ValueError, match=">= 1"):
+    with pytest.raises(ValueError, match="not a positive integer"):
         ranks_per_node_override({"HPCTRAIN_RANKS_PER_NODE": "0"})
