@@ -1,4 +1,4 @@
-"""Command line: ``python -m hpctrain {train,doctor}`` (also the ``hpctrain`` script)."""
+"""Command line: ``python -m hpctrain {train,doctor,ckpt,bench}`` (also the ``hpctrain`` script)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,10 @@ TRAIN_FLAGS = {
     "mesh": ("runtime", "mesh", str, "mesh degrees, e.g. dp=2,pp=2"),
     "ranks_per_node": ("runtime", "ranks_per_node", int, "pretend N ranks per node"),
     "device": ("runtime", "device", str, "auto, cpu or cuda"),
+    "checkpoint_dir": ("checkpoint", "dir", str, "write checkpoints to this directory"),
+    "checkpoint_every": ("checkpoint", "every", int, "checkpoint every N steps"),
+    "keep": ("checkpoint", "keep", int, "keep the newest K checkpoints (0: all)"),
+    "resume": ("checkpoint", "resume", str, "auto (newest in --checkpoint-dir) or a ckpt file"),
     "fusion_threshold_mb": ("ddp", "fusion_threshold_mb", float, "Horovod tensor fusion MB"),
 }
 BOOL_FLAGS = {
@@ -54,6 +58,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override any config key, e.g. --set ddp.cycle_time_ms=2")
     t.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
     sub.add_parser("doctor", help="check MPI, Horovod, parallel HDF5, torch and the launcher")
+    c = sub.add_parser("ckpt", help="inspect or export a checkpoint")
+    csub = c.add_subparsers(dest="ckpt_command", metavar="ACTION", required=True)
+    ci = csub.add_parser("inspect", help="datasets, shapes, step, strategy; verify checksums")
+    ci.add_argument("path")
+    ce = csub.add_parser("export", help="write the full model state (no optimizer) to OUT.h5")
+    ce.add_argument("path")
+    ce.add_argument("out")
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench_command", metavar="WHAT", required=True)
+    bc = bsub.add_parser("checkpoint", help="hpctrain vs torch.distributed.checkpoint vs dd")
+    bc.add_argument("--mb", type=int, default=400, help="model state size in MB")
+    bc.add_argument("--dir", default="", help="directory on the disk to test (default: a temp dir)")
     return p
 
 
@@ -101,8 +117,29 @@ def cmd_train(args) -> int:
         built = build_model(cfg)  # imports a user's factory: fail here, before MPI starts
     except (ValueError, TypeError, ImportError) as exc:
         return _fail(rank, f"train.model = {cfg.train.model!r}: {exc}")
-    Trainer(cfg, built=built).fit()
+    from hpctrain.checkpoint import CheckpointError
+
+    try:
+        Trainer(cfg, built=built).fit()
+    except (CheckpointError, FileNotFoundError) as exc:
+        # Every rank agreed on the error before raising; each says so (no hang, no traceback).
+        print(f"hpctrain: error: rank {rank}: {exc}", file=sys.stderr, flush=True)
+        return 1
     return 0
+
+
+def cmd_ckpt(args) -> int:
+    from hpctrain.checkpoint.tools import export, inspect
+
+    if args.ckpt_command == "inspect":
+        return inspect(args.path)
+    return export(args.path, args.out)
+
+
+def cmd_bench(args) -> int:
+    from hpctrain.bench.checkpoint import run
+
+    return run(args.mb, args.dir)
 
 
 def cmd_doctor(args) -> int:
@@ -120,4 +157,8 @@ def main(argv=None) -> int:
         return cmd_train(args)
     if args.command == "doctor":
         return cmd_doctor(args)
+    if args.command == "ckpt":
+        return cmd_ckpt(args)
+    if args.command == "bench":
+        return cmd_bench(args)
     raise RuntimeError(f"unhandled command {args.command}")  # argparse rejects unknown ones

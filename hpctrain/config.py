@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 __all__ = [
-    "ConfigError", "TrainSection", "DDPSection", "RuntimeSection", "Config",
+    "ConfigError", "TrainSection", "DDPSection", "RuntimeSection", "CheckpointSection", "Config",
     "load_config", "parse_assignment", "STRATEGIES", "OPTIMIZERS", "PRECISIONS",
 ]
 
@@ -82,12 +82,23 @@ class RuntimeSection:
 
 
 @dataclass
+class CheckpointSection:
+    """[checkpoint]: parallel HDF5 checkpoints."""
+
+    dir: str = _f("", "directory for ckpt-STEP.h5 files (empty: no checkpoints)")
+    every: int = _f(0, "save every N steps (0: only at the end)", min=0)
+    keep: int = _f(3, "keep the newest K checkpoints (0: keep all)", min=0)
+    resume: str = _f("", "resume: '' (no), 'auto' (newest in dir, if any) or a ckpt file")
+
+
+@dataclass
 class Config:
     """The whole config: one dataclass per TOML table."""
 
     train: TrainSection = field(default_factory=TrainSection)
     ddp: DDPSection = field(default_factory=DDPSection)
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
 
     def validate(self, world_size: int = 1) -> "Config":
         """Check every field and the cross-field rules; raise ConfigError naming the key."""
@@ -111,6 +122,11 @@ class Config:
                 f"train.global_batch_size = {t.global_batch_size} with grad_accum = {t.grad_accum} "
                 f"gives micro-batches of {per_micro} samples, fewer than the {world_size} ranks; "
                 f"use --global-batch-size >= {t.grad_accum * world_size}")
+        c = self.checkpoint
+        if (c.every or c.resume == "auto") and not c.dir:
+            raise ConfigError(
+                f"checkpoint.every = {c.every} / checkpoint.resume = {c.resume!r} need a directory; "
+                f"pass --checkpoint-dir DIR")
         self._validate_mesh(world_size)
         return self
 

@@ -1,1 +1,13 @@
-"""hpctrain.checkpoint"""
+"""Parallel HDF5 checkpoints: every rank writes its rows of each GLOBAL tensor into one file.
+
+Strategies describe tensors (``Parallelized.state_entries``); this package does I/O only and
+never imports a strategy. See README "Checkpoints".
+"""
+
+from hpctrain.checkpoint.layout import Entry
+from hpctrain.checkpoint.manager import latest, list_checkpoints, resolve_resume
+from hpctrain.checkpoint.reader import CheckpointError, Reader
+from hpctrain.checkpoint.state import load_checkpoint, load_model_state, save_checkpoint
+
+__all__ = ["Entry", "CheckpointError", "Reader", "save_checkpoint", "load_checkpoint",
+           "load_model_state", "latest", "list_checkpoints", "resolve_resume"]

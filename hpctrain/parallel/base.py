@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Callable, Iterable
 
+import numpy as np
+
 import torch
 from torch import nn
 
@@ -68,6 +70,85 @@ class Parallelized:
         self._optimizer_step(scaler)
         self.optimizer.zero_grad()  # torch >= 2.0 sets grads to None (Horovod takes no args)
 
+    # -- checkpoint hooks: describe tensors GLOBALLY; the checkpoint package does the I/O --
+
+    def _optim_class(self) -> str:
+        # Horovod wraps the optimizer in a dynamic subclass; name the torch class.
+        return next(c.__name__ for c in type(self.optimizer).__mro__
+                    if c.__module__.startswith("torch.optim"))
+
+    def state_entries(self) -> list:
+        """Checkpoint entries of model and optimizer state (replicated here: rows=None).
+
+        Model tensors are keyed by state_dict key (tied ones once), optimizer state by
+        PARAMETER NAME, so a checkpoint loads under any strategy. Sharded strategies override
+        this to give their global shapes and owned rows.
+        """
+        from hpctrain.checkpoint.layout import Entry
+
+        entries, seen = [], set()
+        for key, t in self.model.state_dict(keep_vars=True).items():
+            if id(t) not in seen:
+                seen.add(id(t))
+                entries.append(Entry(f"model/{key}", tuple(t.shape), t.dtype, t.detach()))
+        for name, p in self.model.named_parameters():
+            for k, v in sorted(self.optimizer.state.get(p, {}).items()):
+                if torch.is_tensor(v):
+                    entries.append(Entry(f"optim/{name}/{k}", tuple(v.shape), v.dtype, v.detach()))
+        return entries
+
+    def state_meta(self) -> dict:
+        """JSON-able facts the loader needs: tied-key aliases, optimizer class and groups."""
+        first, aliases = {}, {}
+        for key, t in self.model.state_dict(keep_vars=True).items():
+            aliases.update({key: first[id(t)]} if id(t) in first else {})
+            first.setdefault(id(t), key)
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        groups = [{**{k: v for k, v in g.items() if k != "params" and _jsonable(v)},
+                   "params": [names[id(p)] for p in g["params"] if id(p) in names]}
+                  for g in self.optimizer.param_groups]
+        return {"model_aliases": aliases, "optim_class": self._optim_class(),
+                "optim_param_groups": groups}
+
+    def load_state_entries(self, reader) -> None:
+        """Load model and optimizer state from a checkpoint reader (errors collected by it)."""
+        import json
+
+        from hpctrain.checkpoint.layout import from_numpy
+
+        with torch.no_grad():
+            for e in self.state_entries():
+                if e.name.startswith("model/"):
+                    a = reader.read(e.name, e.shape)
+                    if a is not None:
+                        e.local.copy_(from_numpy(a, e.dtype).reshape(e.shape))
+        saved = json.loads(reader.attrs.get("optim_class", '""'))
+        if saved != self._optim_class():
+            reader.fail(f"optimizer is {self._optim_class()} but the checkpoint holds {saved} "
+                        f"state; resume with --optimizer matching the checkpoint")
+            return
+        for name, p in self.model.named_parameters():
+            group = f"optim/{name}"
+            state = {}
+            for k in reader.keys(group):
+                a = reader.read(f"{group}/{k}")
+                if a is None:
+                    continue
+                if a.shape not in ((), tuple(p.shape)):
+                    reader.fail(f"dataset {group + '/' + k!r} has shape {a.shape}, parameter "
+                                f"{name!r} has {tuple(p.shape)}; resume with the same model")
+                    continue
+                dtype = getattr(torch, reader.dataset(f"{group}/{k}").attrs["torch_dtype"])
+                t = from_numpy(np.asarray(a), dtype)
+                # Scalars (Adam's step) stay on the CPU, as torch keeps them.
+                state[k] = t.clone() if t.dim() == 0 else t.to(p.device).clone()
+            if state:
+                self.optimizer.state[p] = state
+        groups = json.loads(reader.attrs.get("optim_param_groups", "[]"))
+        for g, sg in zip(self.optimizer.param_groups, groups):
+            g.update({k: (tuple(v) if isinstance(g.get(k), tuple) else v)
+                      for k, v in sg.items() if k != "params" and k in g})
+
     def buffer_norm(self) -> float:
         """Global L2 norm of the floating-point buffers (e.g. BatchNorm running statistics)."""
         with torch.no_grad():
@@ -80,3 +161,8 @@ class Parallelized:
         with torch.no_grad():
             sq = sum(float(p.detach().double().pow(2).sum()) for p in self.model.parameters())
         return math.sqrt(sq)
+
+
+def _jsonable(v) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str)) or (
+        isinstance(v, (tuple, list)) and all(isinstance(x, (int, float)) for x in v))

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from hpctrain import parallel
+from hpctrain import checkpoint, parallel
 from hpctrain.config import Config
 from hpctrain.data.sampler import GlobalBatchSampler, collate
 from hpctrain.models.registry import BuiltModel, build
@@ -49,6 +49,20 @@ class Trainer:
                                  strategy_options(cfg))
         self.sampler = GlobalBatchSampler(len(self.built.dataset), t.global_batch_size, t.seed,
                                           world.rank, world.size, t.grad_accum)
+        self.start_step, self.history = 0, []
+        c = cfg.checkpoint
+        resume = checkpoint.resolve_resume(c.resume, c.dir)
+        if resume:
+            self.start_step, self.history = checkpoint.load_checkpoint(
+                resume, self.par, world, self.sampler, self.precision.scaler)
+            if world.is_main:
+                print(f"hpctrain: resumed from {resume} at step {self.start_step}", flush=True)
+
+    def save(self, step: int, losses: list[float]) -> str:
+        """Write a checkpoint of the state after `step` steps (collective)."""
+        c = self.cfg.checkpoint
+        return checkpoint.save_checkpoint(c.dir, step, self.par, self.world, self.cfg, self.sampler,
+                                          losses, self.precision.scaler, c.keep)
 
     def _train_step(self, step: int) -> float:
         """Run one optimizer step; return this rank's weighted share of the global mean loss."""
@@ -76,11 +90,13 @@ class Trainer:
         units_per_step = t.global_batch_size * self.built.units_per_sample
         progress = Progress(t.steps, main, t.progress, t.log_every, self.built.unit)
         csv = MetricsCSV(t.out_dir, main)
-        losses: list[float] = []
+        losses: list[float] = list(self.history)
+        ck = self.cfg.checkpoint
+        saved = self.start_step
         self.par.model.train()
         start = time.perf_counter()
         try:
-            for step in range(t.steps):
+            for step in range(self.start_step, t.steps):
                 t0 = time.perf_counter()
                 local = self._train_step(step)
                 loss = world.host.allreduce_scalars([local])[0]
@@ -90,6 +106,12 @@ class Trainer:
                 progress.update(step, loss, units_per_step / dt)
                 csv.write(step=step + 1, loss=f"{loss:.8g}", lr=lr, units_per_s=f"{units_per_step / dt:.6g}",
                           elapsed_s=f"{time.perf_counter() - start:.4f}")
+                self.sampler.step = step + 1
+                if ck.dir and ck.every and (step + 1) % ck.every == 0:
+                    self.save(step + 1, losses)
+                    saved = step + 1
+            if ck.dir and saved != t.steps and self.start_step < t.steps:
+                self.save(t.steps, losses)
         finally:
             progress.close()
             csv.close()
@@ -102,7 +124,7 @@ class Trainer:
             "final_loss": losses[-1],
             "param_norm": self.par.param_norm(),
             "buffer_norm": self.par.buffer_norm(),
-            "tokens_or_samples_per_s": units_per_step * t.steps / elapsed,
+            "tokens_or_samples_per_s": units_per_step * max(1, t.steps - self.start_step) / elapsed,
             "unit": self.built.unit,
             "peak_rss_mb": world.host.allreduce_scalars([peak_rss_mb()], op="max")[0],
             "model": self.built.name,

@@ -1,0 +1,155 @@
+"""Parallel HDF5 checkpoints under real mpirun: resume, reshard, crash, corruption, fallback."""
+
+import json
+import os
+import subprocess
+
+import h5py
+import numpy as np
+import pytest
+
+from tests.mpirun import run_mpi, run_single
+
+pytestmark = pytest.mark.mpi
+
+# A global batch of 12 is valid at 1, 2, 3 and 4 ranks.
+COMMON = ["-m", "hpctrain", "train", "--model", "mlp", "--global-batch-size", "12",
+          "--weight-decay", "0.01", "--progress", "off", "--out-dir", ""]
+OPTS = {"sgd": ["--optimizer", "sgd", "--lr", "0.1", "--set", "train.momentum=0.9"],
+        "adamw": ["--optimizer", "adamw", "--lr", "0.003"]}
+
+
+def _run(world, strategy, opt, steps, summary, extra=(), env=None, check=True):
+    args = COMMON + OPTS[opt] + ["--steps", str(steps), "--strategy", strategy,
+                                 "--summary", str(summary)] + list(extra)
+    if strategy == "single":
+        return run_single(args, env=env, check=check, timeout=240)
+    return run_mpi(world, args, env=env, check=check, timeout=240)
+
+
+def _losses(path):
+    return json.loads(path.read_text())["losses"]
+
+
+# (strategy, world) before -> after, optimizer
+RESUME = [(("single", 1), ("single", 1), "sgd"), (("single", 1), ("single", 1), "adamw"),
+          (("ddp", 2), ("ddp", 2), "sgd"), (("ddp", 2), ("ddp", 2), "adamw")]
+RESHARD = [(("ddp", 4), ("ddp", 2), "adamw"), (("ddp", 2), ("ddp", 4), "adamw"),
+           (("ddp", 4), ("ddp", 1), "sgd"), (("single", 1), ("ddp", 4), "adamw"),
+           (("ddp", 3), ("ddp", 2), "adamw"), (("ddp", 2), ("single", 1), "sgd")]
+
+
+def _ident(c):
+    return f"{c[0][0]}{c[0][1]}-{c[1][0]}{c[1][1]}-{c[2]}"
+
+
+def _resume_case(tmp_path, before, after, opt, rtol):
+    d = tmp_path / "ck"
+    _run(after[1], after[0], opt, 20, tmp_path / "straight.json")
+    _run(before[1], before[0], opt, 10, tmp_path / "a.json", ["--checkpoint-dir", str(d)])
+    assert (d / "ckpt-000010.h5").exists()
+    _run(after[1], after[0], opt, 20, tmp_path / "b.json",
+         ["--checkpoint-dir", str(d), "--resume", "auto"])
+    got, ref = _losses(tmp_path / "b.json"), _losses(tmp_path / "straight.json")
+    assert len(got) == 20
+    np.testing.assert_allclose(got, ref, rtol=rtol, atol=0)
+
+
+@pytest.mark.parametrize("case", RESUME, ids=_ident)
+def test_resume_continues_trajectory(tmp_path, case):
+    _resume_case(tmp_path, *case, rtol=1e-6)
+
+
+@pytest.mark.parametrize("case", RESHARD, ids=_ident)
+def test_reshard_continues_trajectory(tmp_path, case):
+    # Different world sizes sum gradients in a different order: the ddp-equivalence tolerance.
+    _resume_case(tmp_path, *case, rtol=1e-5)
+
+
+def test_crash_during_save_keeps_previous(tmp_path):
+    d = tmp_path / "ck"
+    flags = ["--checkpoint-dir", str(d), "--checkpoint-every", "5", "--keep", "2"]
+    _run(2, "ddp", "adamw", 10, tmp_path / "straight.json")
+    _run(2, "ddp", "adamw", 5, tmp_path / "a.json", flags)
+    proc = _run(2, "ddp", "adamw", 10, tmp_path / "b.json", flags + ["--resume", "auto"],
+                env={"HPCTRAIN_CKPT_FAULT": "1:3"}, check=False)
+    assert proc.returncode != 0
+    assert (d / "ckpt-000005.h5").exists() and not (d / "ckpt-000010.h5").exists()
+    assert (d / "ckpt-000010.h5.tmp").exists()
+    proc = _run(2, "ddp", "adamw", 10, tmp_path / "c.json", flags + ["--resume", "auto"])
+    assert "resumed from" in proc.stdout and "ckpt-000005.h5" in proc.stdout
+    np.testing.assert_allclose(_losses(tmp_path / "c.json"), _losses(tmp_path / "straight.json"),
+                               rtol=1e-6)
+
+
+def test_corrupt_dataset_named_on_every_rank(tmp_path):
+    d = tmp_path / "ck"
+    _run(2, "ddp", "adamw", 3, tmp_path / "a.json", ["--checkpoint-dir", str(d)])
+    with h5py.File(d / "ckpt-000003.h5", "r+") as f:
+        w = f["model/stem.weight"]
+        w[0, 0] = w[0, 0] + 1.0  # the data changes, its checksum attribute does not
+    proc = _run(2, "ddp", "adamw", 6, tmp_path / "b.json",
+                ["--checkpoint-dir", str(d), "--resume", "auto"], check=False)
+    assert proc.returncode != 0
+    for r in (0, 1):
+        assert f"rank {r}:" in proc.stderr and "'model/stem.weight'" in proc.stderr
+    assert "checksum" in proc.stderr
+
+
+def test_wrong_shape_named(tmp_path):
+    d = tmp_path / "ck"
+    _run(1, "single", "sgd", 2, tmp_path / "a.json", ["--checkpoint-dir", str(d)])
+    proc = _run(2, "ddp", "sgd", 4, tmp_path / "b.json",
+                ["--checkpoint-dir", str(d), "--resume", "auto",
+                 "--set", "train.model_options={hidden=64}"], check=False)
+    assert proc.returncode != 0
+    assert "'model/" in proc.stderr and ("(64," in proc.stderr or "64)" in proc.stderr)
+
+
+def test_missing_dataset_named(tmp_path):
+    d = tmp_path / "ck"
+    _run(1, "single", "adamw", 2, tmp_path / "a.json", ["--checkpoint-dir", str(d)])
+    with h5py.File(d / "ckpt-000002.h5", "r+") as f:
+        del f["model/head.bias"]
+    proc = _run(1, "single", "adamw", 4, tmp_path / "b.json",
+                ["--checkpoint-dir", str(d), "--resume", "auto"], check=False)
+    assert proc.returncode != 0 and "'model/head.bias' is missing" in proc.stderr
+
+
+@pytest.mark.parametrize("worlds", [(2, 2), (2, 3)])
+def test_serial_fallback_round_trips(tmp_path, worlds):
+    d = tmp_path / "ck"
+    env = {"HPCTRAIN_CKPT_FORCE_SERIAL": "1"}
+    _run(worlds[1], "ddp", "adamw", 8, tmp_path / "straight.json")
+    proc = _run(worlds[0], "ddp", "adamw", 4, tmp_path / "a.json", ["--checkpoint-dir", str(d)],
+                env=env)
+    assert "one file per rank" in proc.stderr
+    assert (d / "ckpt-000004.h5.parts").is_dir()
+    with h5py.File(d / "ckpt-000004.h5") as f:
+        assert f.attrs["layout"] == "virtual" and f["model/stem.weight"].is_virtual
+    _run(worlds[1], "ddp", "adamw", 8, tmp_path / "b.json",
+         ["--checkpoint-dir", str(d), "--resume", "auto"])
+    np.testing.assert_allclose(_losses(tmp_path / "b.json"), _losses(tmp_path / "straight.json"),
+                               rtol=1e-5)
+
+
+def test_h5ls_inspect_export_keep(tmp_path):
+    d = tmp_path / "ck"
+    _run(2, "ddp", "adamw", 6, tmp_path / "a.json",
+         ["--checkpoint-dir", str(d), "--checkpoint-every", "2", "--keep", "2"])
+    names = sorted(p.name for p in d.iterdir())
+    assert names == ["ckpt-000004.h5", "ckpt-000006.h5", "latest"]
+    assert (d / "latest").read_text().strip() == "ckpt-000006.h5"
+    ls = subprocess.run(["h5ls", "-r", str(d / "ckpt-000006.h5")], capture_output=True,
+                        text=True, check=True).stdout
+    assert "/model/stem.weight" in ls and "{83, 37}" in ls and "/optim/stem.weight/exp_avg" in ls
+    out = run_single(["-m", "hpctrain", "ckpt", "inspect", str(d / "ckpt-000006.h5")]).stdout
+    assert "step 6" in out and "world size 2" in out and "checksums: all ok" in out
+    exp = tmp_path / "model.h5"
+    run_single(["-m", "hpctrain", "ckpt", "export", str(d / "ckpt-000006.h5"), str(exp)])
+    with h5py.File(exp) as f:
+        assert "optim" not in f and f["model/stem.weight"].shape == (83, 37)
+    with h5py.File(d / "ckpt-000006.h5", "r+") as f:
+        f["optim/head.bias/exp_avg"][0] += 1.0
+    proc = run_single(["-m", "hpctrain", "ckpt", "inspect", str(d / "ckpt-000006.h5")], check=False)
+    assert proc.returncode == 1 and "optim/head.bias/exp_avg" in proc.stderr
