@@ -25,6 +25,15 @@ def _model(mb: int) -> nn.Module:
     return nn.Sequential(*layers)
 
 
+def _fresh(comm, path: str) -> None:
+    """Remove a previous run's output (untimed), so every save writes new files."""
+    if comm.Get_rank() == 0 and os.path.isdir(path):
+        shutil.rmtree(path)
+    elif comm.Get_rank() == 0 and os.path.exists(path):
+        os.remove(path)
+    comm.Barrier()
+
+
 def _timed(comm, fn) -> float:
     comm.Barrier()
     t0 = time.perf_counter()
@@ -33,8 +42,14 @@ def _timed(comm, fn) -> float:
     return time.perf_counter() - t0
 
 
-def run(mb: int = 400, directory: str = "") -> int:
-    """Write and read the same state three ways; print seconds, GB/s and the ratios."""
+def run(mb: int = 400, directory: str = "", repeat: int = 3) -> int:
+    """Write and read the same state three ways; print median seconds, GB/s and the ratios.
+
+    Fair by construction: the same tensors and bytes, the same directory, both savers make the
+    data durable (hpctrain fsyncs the file before its rename; DCP's FileSystemWriter fsyncs
+    every file, sync_files=True) and both split replicated tensors over the ranks (DCP dedups
+    them). The two savers alternate ``repeat`` times so a noisy machine hurts both alike.
+    """
     from hpctrain.checkpoint.layout import Entry
     from hpctrain.checkpoint.reader import Reader
     from hpctrain.checkpoint.state import write_entries
@@ -48,19 +63,17 @@ def run(mb: int = 400, directory: str = "") -> int:
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
     root = directory or (tempfile.mkdtemp(prefix="hpctrain-bench-") if world.rank == 0 else "")
     root = comm.bcast(root)
-    res = {}
+    times: dict[str, list[float]] = {}
 
-    # hpctrain: parallel HDF5, every rank writes its rows of each tensor.
+    # hpctrain: parallel HDF5, every rank writes its part of each tensor.
     h5 = os.path.join(root, "bench.h5")
     entries = [Entry(f"model/{k}", tuple(t.shape), t.dtype, t) for k, t in sd.items()]
-    res["hpctrain write"] = _timed(comm, lambda: write_entries(h5, entries, {}, comm))
 
     def read_h5():
         with Reader(h5) as r:
             for e in entries:  # every rank needs the whole replicated state
                 r.read(e.name, e.shape)
             r.check()
-    res["hpctrain read"] = _timed(comm, read_h5)
 
     # torch.distributed.checkpoint over a gloo group on the same ranks.
     import torch.distributed as dist
@@ -71,26 +84,41 @@ def run(mb: int = 400, directory: str = "") -> int:
     os.environ["MASTER_PORT"] = comm.bcast(os.environ["MASTER_PORT"])
     dist.init_process_group("gloo", rank=world.rank, world_size=world.size)
     dcp_dir = os.path.join(root, "dcp")
-    res["dcp write"] = _timed(comm, lambda: dcp.save(sd, checkpoint_id=dcp_dir))
     target = {k: torch.empty_like(v) for k, v in sd.items()}
-    res["dcp read"] = _timed(comm, lambda: dcp.load(target, checkpoint_id=dcp_dir))
+    runs = {"hpctrain write": lambda: write_entries(h5, entries, {}, comm),
+            "hpctrain read": read_h5,
+            "dcp write": lambda: dcp.save(sd, checkpoint_id=dcp_dir),
+            "dcp read": lambda: dcp.load(target, checkpoint_id=dcp_dir)}
+    for k in range(repeat):
+        order = ("hpctrain", "dcp") if k % 2 == 0 else ("dcp", "hpctrain")
+        for who in order:
+            for what in ("write", "read"):
+                name = f"{who} {what}"
+                if what == "write":
+                    _fresh(comm, h5 if who == "hpctrain" else dcp_dir)
+                times.setdefault(name, []).append(_timed(comm, runs[name]))
     dist.destroy_process_group()
 
     # dd: the same byte count, written (and synced) and read by rank 0 alone.
     raw = os.path.join(root, "dd.bin")
     count = -(-nbytes // 2**20)
     if world.rank == 0:
-        t0 = time.perf_counter()
-        subprocess.run(["dd", "if=/dev/zero", f"of={raw}", "bs=1M", f"count={count}",
-                        "conv=fdatasync"], check=True, capture_output=True)
-        res["dd write"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        subprocess.run(["dd", f"if={raw}", "of=/dev/null", "bs=1M"], check=True, capture_output=True)
-        res["dd read"] = time.perf_counter() - t0
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            subprocess.run(["dd", "if=/dev/zero", f"of={raw}", "bs=1M", f"count={count}",
+                            "conv=fdatasync"], check=True, capture_output=True)
+            times.setdefault("dd write", []).append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            subprocess.run(["dd", f"if={raw}", "of=/dev/null", "bs=1M"], check=True,
+                           capture_output=True)
+            times.setdefault("dd read", []).append(time.perf_counter() - t0)
+        res = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
         gb = nbytes / 1e9
-        print(f"checkpoint bench: {gb:.2f} GB state, {world.size} ranks, dir {root}")
+        print(f"checkpoint bench: {gb:.2f} GB state, {world.size} ranks, dir {root}, "
+              f"median of {repeat}, load average {os.getloadavg()[0]:.2f}")
         for k, v in res.items():
-            print(f"  {k:<16} {v:7.3f} s  {gb / v:6.2f} GB/s")
+            print(f"  {k:<16} {v:7.3f} s  {gb / v:6.2f} GB/s   (all: "
+                  f"{' '.join(f'{x:.3f}' for x in times[k])})")
         print(f"  write bandwidth hpctrain/dd = {res['dd write'] / res['hpctrain write']:.2f}x  "
               f"(target >= 0.5)")
         print(f"  save time hpctrain/dcp      = {res['hpctrain write'] / res['dcp write']:.2f}x  "

@@ -1,4 +1,4 @@
-"""Parallel HDF5 checkpoints: every rank writes its rows of each GLOBAL tensor into one file.
+"""Parallel HDF5 checkpoints: each rank writes its rows or flat elements of every global tensor.
 
 Strategies describe tensors (``Parallelized.state_entries``); this package does I/O only and
 never imports a strategy. See README "Checkpoints".

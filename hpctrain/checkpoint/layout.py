@@ -1,4 +1,4 @@
-"""What a strategy tells the checkpoint: per tensor, its global name/shape/dtype and owned rows."""
+"""What a strategy tells the checkpoint: per tensor, its global name/shape/dtype and owned part."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["Entry", "to_numpy", "from_numpy", "storage_dtype", "BLOCK_BYTES", "block_rows",
-           "num_rows", "replicated_rows"]
+__all__ = ["Entry", "to_numpy", "from_numpy", "storage_dtype", "BLOCK_BYTES", "block_elems",
+           "numel", "owned_elems", "local_flat", "replicated_elems"]
 
-# Canonical checksum block: a fixed byte budget, independent of the world size, so CRCs
-# written by N ranks verify when M ranks read.
+# Canonical checksum block: a fixed byte budget of the row-major flattened tensor, independent
+# of the world size and of how it is sharded, so CRCs written by N ranks verify when M read.
 BLOCK_BYTES = 4 << 20
 
 # torch dtypes numpy lacks are stored as same-width integers; the dataset's `torch_dtype`
@@ -25,8 +25,10 @@ class Entry:
 
     ``name``: dataset path (e.g. ``model/fc.weight``); ``shape``/``dtype``: GLOBAL ones;
     ``local``: this rank's tensor; ``rows``: the (start, stop) rows of the global tensor that
-    ``local`` holds, or None when every rank holds all of it (replicated: the writer splits the
-    writing over ranks); ``load``: called with the numpy array read back for ``rows``.
+    ``local`` holds; ``elems``: instead, the (start, stop) elements of the row-major flattened
+    global tensor that the 1-D ``local`` holds (ZeRO/FSDP flat shards, any alignment); both None
+    when every rank holds all of it (replicated: the writer splits the writing over ranks);
+    ``load``: called with the numpy array read back for ``rows``.
     """
 
     name: str
@@ -35,6 +37,7 @@ class Entry:
     local: torch.Tensor | None
     rows: tuple | None = None
     load: object = None
+    elems: tuple | None = None
 
 
 def storage_dtype(dtype: torch.dtype) -> np.dtype:
@@ -54,30 +57,65 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 
 def from_numpy(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     """A torch tensor of dtype from an array read from the file."""
-    t = torch.from_numpy(np.ascontiguousarray(a))
+    a = np.asarray(a)
+    t = torch.from_numpy(np.ascontiguousarray(a).reshape(a.shape))  # keeps 0-d as 0-d
     return t.view(dtype) if dtype in _VIEW else t
 
 
-def num_rows(shape: tuple) -> int:
-    """Rows of a global shape (a scalar is one row)."""
-    return int(shape[0]) if len(shape) else 1
+def numel(shape: tuple) -> int:
+    """Elements of a global shape (a scalar has one)."""
+    return int(np.prod(shape, dtype=np.int64))
 
 
-def block_rows(shape: tuple, itemsize: int) -> int:
-    """Rows per canonical checksum block of a dataset of this shape."""
-    row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * itemsize if len(shape) else itemsize
-    return max(1, BLOCK_BYTES // max(1, row_bytes))
+def block_elems(itemsize: int) -> int:
+    """Elements per canonical checksum block of a dataset of this item size."""
+    return max(1, BLOCK_BYTES // itemsize)
 
 
-def replicated_rows(index: int, shape: tuple, itemsize: int, rank: int, world: int) -> tuple:
-    """Rows this rank writes of the index-th replicated tensor.
+def replicated_elems(index: int, shape: tuple, itemsize: int, rank: int, world: int) -> tuple:
+    """Flat elements this rank writes of the index-th replicated tensor.
 
     Whole checksum blocks are split contiguously over ranks so every rank writes (and
     checksums) its own blocks in parallel; the split starts at a rank rotated by ``index`` so
     the many one-block tensors (biases, norms) are spread over ranks instead of all on rank 0.
     """
-    n, b = num_rows(shape), block_rows(shape, itemsize)
-    nblocks = -(-n // b) if n else 0
+    n, b = numel(shape), block_elems(itemsize)
+    nblocks = -(-n // b)
     pos = (rank - index) % world
     lo, hi = pos * nblocks // world, (pos + 1) * nblocks // world
     return min(lo * b, n), min(hi * b, n)
+
+
+def owned_elems(index: int, e: Entry, rank: int, world: int) -> tuple:
+    """The (start, stop) flat elements of e's global tensor that this rank writes."""
+    shape, n = tuple(e.shape), numel(tuple(e.shape))
+    if e.rows is not None and e.elems is not None:
+        raise ValueError(f"{e.name}: Entry has both rows={tuple(e.rows)} and "
+                         f"elems={tuple(e.elems)}; give one of them")
+    if e.elems is not None:
+        start, stop = (int(x) for x in e.elems)
+        span = f"elements {(start, stop)}"
+    elif e.rows is not None:
+        inner = numel(shape[1:]) if shape else 1
+        start, stop = int(e.rows[0]) * inner, int(e.rows[1]) * inner
+        span = f"rows {tuple(e.rows)}"
+    else:
+        return replicated_elems(index, shape, storage_dtype(e.dtype).itemsize, rank, world)
+    if not 0 <= start <= stop <= n:
+        raise ValueError(f"{e.name}: owned {span} lie outside the tensor of shape {shape} "
+                         f"({n} elements); give a range within it")
+    have = 0 if e.local is None else e.local.numel()
+    if have != stop - start:
+        raise ValueError(f"{e.name}: owned {span} hold {stop - start} elements but `local` "
+                         f"has {have}; pass exactly the owned part (no padding)")
+    return start, stop
+
+
+def local_flat(e: Entry, span: tuple) -> np.ndarray:
+    """This rank's flat elements span of e as a 1-D numpy array (no copy when contiguous)."""
+    if e.local is None:  # owns nothing of a sharded tensor
+        return np.empty(0, dtype=storage_dtype(e.dtype))
+    a = to_numpy(e.local).reshape(-1)
+    if e.rows is None and e.elems is None:
+        return a[span[0]:span[1]]  # replicated: every rank holds all, writes its part
+    return a

@@ -7,8 +7,9 @@ import os
 import h5py
 import numpy as np
 
-from hpctrain.checkpoint.checksum import expected_blocks, verify_blocks
-from hpctrain.checkpoint.layout import num_rows
+from hpctrain.checkpoint.checksum import expected_blocks, verify_flat
+from hpctrain.checkpoint.hyperslab import read_flat
+from hpctrain.checkpoint.layout import numel
 
 __all__ = ["CheckpointError", "Reader"]
 
@@ -21,7 +22,7 @@ class Reader:
     """Reads datasets of one checkpoint file; errors are collected, then raised by check().
 
     Every rank opens the file read-only with the default driver: reads are independent, so
-    ranks at any world size read whatever rows they need.
+    ranks at any world size read whatever rows or flat element ranges they need.
     """
 
     def __init__(self, path: str):
@@ -54,8 +55,14 @@ class Reader:
     def fail(self, msg: str) -> None:
         self.errors.append(f"checkpoint {self.path}: {msg}")
 
-    def read(self, name: str, shape: tuple | None = None, rows: tuple | None = None):
-        """Rows [start, stop) (all when None) of dataset name, checksum-verified; None on error."""
+    def read(self, name: str, shape: tuple | None = None, rows: tuple | None = None,
+             elems: tuple | None = None):
+        """Checksum-verified part of dataset name; None on error (collected for check()).
+
+        rows=(start, stop): those rows; elems=(start, stop): those elements of the row-major
+        flattened tensor, as a 1-D array; neither: the whole tensor. The whole canonical blocks
+        around the part are read to verify them.
+        """
         if name not in self.f:
             self.fail(f"dataset {name!r} is missing; the checkpoint was written for a different "
                       f"model or optimizer (check train.model, model_options and optimizer)")
@@ -65,27 +72,63 @@ class Reader:
             self.fail(f"dataset {name!r} has shape {tuple(d.shape)}, the model expects "
                       f"{tuple(shape)}; resume with the config the checkpoint was written with")
             return None
-        start = 0 if rows is None else rows[0]
-        arr = d[()] if rows is None or d.ndim == 0 else d[rows[0]:rows[1]]
-        bad = self._verify(name, d, np.asarray(arr), start)
+        dshape, total = tuple(d.shape), numel(tuple(d.shape))
+        if elems is not None:
+            start, stop = (int(x) for x in elems)
+            out_shape = (stop - start,)
+        elif rows is not None and d.ndim:
+            inner = numel(dshape[1:])
+            start, stop = int(rows[0]) * inner, int(rows[1]) * inner
+            out_shape = (int(rows[1]) - int(rows[0]),) + dshape[1:]
+        else:
+            start, stop, out_shape = 0, total, dshape
+        if not 0 <= start <= stop <= total:
+            what = f"elements {tuple(elems)}" if elems is not None else f"rows {tuple(rows)}"
+            self.fail(f"dataset {name!r} of shape {dshape} has no {what}; the checkpoint was "
+                      f"written for a different model or sharding")
+            return None
+        belems, crcs = self._blocks(d)
+        if crcs is None:
+            self.fail(f"dataset {name!r} has no valid checksum attributes (crc32, "
+                      f"crc_block_elems); the file is damaged or not an hpctrain checkpoint")
+            return None
+        # Widen to whole canonical blocks so every block that is read is verified.
+        lo = start // belems * belems if stop > start else start
+        hi = min(-(-stop // belems) * belems, total) if stop > start else stop
+        flat = read_flat(d, lo, hi)
+        bad = verify_flat(flat, lo, belems, crcs, total)
         if bad:
             self.fail(f"dataset {name!r} fails its checksum (blocks {bad[:8]}); the file is "
                       f"corrupt: resume from an older checkpoint")
             return None
-        return np.asarray(arr)
+        if d.ndim == 0 and elems is None:
+            return flat.reshape(())
+        return flat.reshape(-1)[start - lo:stop - lo].reshape(out_shape)
 
     def verify(self, name: str) -> list[int]:
-        """Bad block indices of a whole dataset (for `ckpt inspect`)."""
+        """Bad block indices of a whole dataset (for `ckpt inspect`); [-1]: no valid checksums."""
         d = self.dataset(name)
-        return self._verify(name, d, np.asarray(d[()]), 0)
+        belems, crcs = self._blocks(d)
+        if crcs is None:
+            return [-1]
+        total = numel(tuple(d.shape))
+        return verify_flat(read_flat(d, 0, total), 0, belems, crcs, total)
 
-    def _verify(self, name, d, arr, start) -> list[int]:
-        if "crc32" not in d.attrs or "crc_block_rows" not in d.attrs:
-            return [-1]
-        crcs, brows = np.asarray(d.attrs["crc32"]), int(d.attrs["crc_block_rows"])
-        if len(crcs) != expected_blocks(tuple(d.shape), brows) and num_rows(tuple(d.shape)):
-            return [-1]
-        return verify_blocks(arr, start, brows, crcs, num_rows(tuple(d.shape)))
+    def _blocks(self, d) -> tuple[int, np.ndarray | None]:
+        """(elements per block, block CRCs) of d, or (1, None) when absent or inconsistent."""
+        a = d.attrs
+        if "crc32" not in a:
+            return 1, None
+        if "crc_block_elems" in a:
+            belems = int(a["crc_block_elems"])
+        elif "crc_block_rows" in a:  # older files: blocks of whole rows are flat blocks too
+            belems = int(a["crc_block_rows"]) * (numel(tuple(d.shape)[1:]) if d.ndim else 1)
+        else:
+            return 1, None
+        crcs = np.asarray(a["crc32"]).reshape(-1)
+        if belems <= 0 or len(crcs) != expected_blocks(numel(tuple(d.shape)), belems):
+            return 1, None
+        return belems, crcs
 
     def check(self, comm=None) -> None:
         """Raise CheckpointError on EVERY rank if any rank found an error (collective with comm)."""

@@ -9,10 +9,11 @@ import warnings
 import h5py
 import numpy as np
 
-from hpctrain.checkpoint.checksum import block_crcs
-from hpctrain.checkpoint.layout import Entry, block_rows, storage_dtype
-from hpctrain.checkpoint.writer import (dataset_attrs, fault_hook, local_part, owned_rows,
-                                        set_attrs, _merge_crcs)
+from hpctrain.checkpoint.checksum import piece_crcs
+from hpctrain.checkpoint.hyperslab import flat_boxes
+from hpctrain.checkpoint.layout import Entry, block_elems, local_flat, numel, storage_dtype
+from hpctrain.checkpoint.writer import (agreed_spans, dataset_attrs, fault_hook, merge_crcs,
+                                        set_attrs)
 
 __all__ = ["write_serial", "parts_dir", "use_serial", "FORCE_ENV"]
 
@@ -38,44 +39,65 @@ def parts_dir(final_path: str) -> str:
     return final_path + ".parts"
 
 
-def write_serial(tmp_path: str, final_path: str, entries: list[Entry], root_attrs: dict, comm) -> None:
-    """Each rank writes its rows to its own file; rank 0 writes the master file at tmp_path."""
-    rank, world = comm.Get_rank(), comm.Get_size()
+def _virtual_dcpl(shape: tuple, sources: list[tuple[str, int, int]], name: str):
+    """Creation properties mapping each (file, start, stop) 1-D part onto its flat range."""
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    for fname, lo, hi in sources:
+        at = 0
+        for off, cnt in flat_boxes(shape, lo, hi):
+            n = int(np.prod(cnt))
+            vspace = h5py.h5s.create_simple(shape)
+            vspace.select_hyperslab(off, cnt)
+            sspace = h5py.h5s.create_simple((hi - lo,))
+            sspace.select_hyperslab((at,), (n,))
+            dcpl.set_virtual(vspace, fname.encode(), name.encode(), sspace)
+            at += n
+    return dcpl
+
+
+def write_serial(tmp_path: str, final_path: str, entries: list[Entry], root_attrs: dict,
+                 comm) -> None:
+    """Each rank writes its flat parts to its own file; rank 0 writes the master at tmp_path."""
+    rank = comm.Get_rank()
+    spans = agreed_spans(entries, comm)
     pdir = parts_dir(final_path)
     if rank == 0:
         shutil.rmtree(pdir, ignore_errors=True)  # a stale one from a crashed save
         os.makedirs(pdir)
     comm.Barrier()
-    part_name = f"rank-{rank:05d}.h5"
-    crcs, pieces = {}, {}
-    with h5py.File(os.path.join(pdir, part_name), "w") as f:
-        for i, e in enumerate(entries):
-            rows = owned_rows(i, e, rank, world)
-            if rows[1] <= rows[0]:
+    crcs, pieces, scalars = {}, {}, {}
+    with h5py.File(os.path.join(pdir, f"rank-{rank:05d}.h5"), "w") as f:
+        for i, (e, span) in enumerate(zip(entries, spans)):
+            if span[1] <= span[0]:
                 continue
-            part = local_part(e, rows)
-            f.create_dataset(e.name, data=part)
-            crcs[i] = block_crcs(part, rows[0], block_rows(tuple(e.shape), part.dtype.itemsize))
-            pieces[i] = rows
+            flat = local_flat(e, span)
+            if len(e.shape) == 0:  # VDS needs a rank >= 1 selection; scalars go in the master
+                scalars[i] = flat.copy()
+            else:
+                f.create_dataset(e.name, data=flat)
+            crcs[i] = piece_crcs(flat, span[0], block_elems(flat.dtype.itemsize))
+            pieces[i] = span
             fault_hook(rank, i + 1)
-    gathered = comm.allgather((crcs, pieces))
-    merged = _merge_crcs([g[0] for g in gathered], entries)
-    if rank == 0:
-        with h5py.File(tmp_path, "w") as f:
-            for i, e in enumerate(entries):
-                shape, dt = tuple(e.shape), storage_dtype(e.dtype)
-                if len(shape) == 0:  # VDS needs a rank >= 1 selection; scalars are tiny
-                    d = f.create_dataset(e.name, data=local_part(e, (0, 1)))
-                else:
-                    layout = h5py.VirtualLayout(shape=shape, dtype=dt)
-                    for r, (_, pcs) in enumerate(gathered):
-                        if i in pcs:
-                            lo, hi = pcs[i]
-                            # Relative to the master file's directory (see reader.open_checkpoint).
-                            src = h5py.VirtualSource(
-                                os.path.join(os.path.basename(pdir), f"rank-{r:05d}.h5"),
-                                e.name, shape=(hi - lo,) + shape[1:])
-                            layout[lo:hi] = src
-                    d = f.create_virtual_dataset(e.name, layout, fillvalue=None)
-                set_attrs(d, dataset_attrs(e, shape, dt.itemsize, merged[i]))
-            set_attrs(f, {**root_attrs, "layout": "virtual"})
+    gathered = comm.allgather((crcs, pieces, scalars))
+    merged = merge_crcs([g[0] for g in gathered], entries)
+    if rank != 0:
+        return
+    with h5py.File(tmp_path, "w") as f:
+        for i, e in enumerate(entries):
+            shape, dt = tuple(e.shape), storage_dtype(e.dtype)
+            if numel(shape) == 0:  # nothing to map
+                d = f.create_dataset(e.name, shape=shape, dtype=dt)
+            elif len(shape) == 0:
+                value = next(g[2][i] for g in gathered if i in g[2])
+                d = f.create_dataset(e.name, data=value.reshape(()))
+            else:
+                # Relative to the master file's directory (the reader sets the prefix).
+                srcs = [(os.path.join(os.path.basename(pdir), f"rank-{r:05d}.h5"), *g[1][i])
+                        for r, g in enumerate(gathered) if i in g[1]]
+                f.require_group(os.path.dirname(e.name) or "/")
+                h5py.h5d.create(f.id, e.name.encode(), h5py.h5t.py_create(dt),
+                                h5py.h5s.create_simple(shape),
+                                dcpl=_virtual_dcpl(shape, srcs, e.name))
+                d = f[e.name]
+            set_attrs(d, dataset_attrs(e, dt.itemsize, merged[i]))
+        set_attrs(f, {**root_attrs, "layout": "virtual"})

@@ -1,0 +1,118 @@
+"""mpirun worker for test_elem_shards: write or read synthetic flat-sharded entries.
+
+    python -m tests.checkpoint.elem_worker write PATH [--block-bytes B] [--gap]
+    python -m tests.checkpoint.elem_worker read PATH
+Prints "rank R: OK" per rank, or "rank R: <error>" and exits 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from hpctrain.checkpoint import layout
+from hpctrain.checkpoint.layout import Entry
+from hpctrain.checkpoint.reader import CheckpointError, Reader
+from hpctrain.checkpoint.state import write_entries
+
+# (name, shape, dtype): flat-sharded over one padded buffer, in this order.
+FLAT = [("flat/m13x7", (13, 7), torch.float32), ("flat/v29", (29,), torch.float64),
+        ("flat/t3x5x11", (3, 5, 11), torch.float32), ("flat/scalar", (), torch.float32),
+        ("flat/bf16", (6, 9), torch.bfloat16), ("flat/i64", (17,), torch.int64),
+        ("flat/empty", (0, 4), torch.float32), ("flat/tail", (5, 3), torch.float32)]
+ROWS = ("rows/w", (10, 3), torch.float32)   # sharded by rows
+REP = ("rep/b", (5, 4), torch.float64)      # replicated
+PAD = 3  # padding elements at the end of the flat buffer (not written)
+
+
+def tensor(name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """Deterministic content per name."""
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    if dtype == torch.int64:
+        return torch.randint(-2**40, 2**40, shape, generator=g, dtype=torch.int64)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def flat_ranges(world: int) -> list[list[tuple]]:
+    """Per rank, per FLAT tensor: its (start, stop) elements of a padded buffer split evenly."""
+    sizes = [int(np.prod(s, dtype=np.int64)) for _, s, _ in FLAT]
+    total = sum(sizes) + PAD
+    per = -(-total // world)
+    out = []
+    for r in range(world):
+        lo, hi, at, mine = r * per, min((r + 1) * per, total), 0, []
+        for n in sizes:
+            s, e = min(max(lo - at, 0), n), min(max(hi - at, 0), n)
+            mine.append((s, max(s, e)))
+            at += n
+        out.append(mine)
+    return out
+
+
+def entries(rank: int, world: int, gap: bool) -> list[Entry]:
+    out = []
+    for (name, shape, dtype), (s, e) in zip(FLAT, flat_ranges(world)[rank]):
+        if gap and rank == 0 and name == "flat/m13x7" and e > s:
+            e -= 1  # leaves one element unwritten
+        out.append(Entry(name, shape, dtype, tensor(name, shape, dtype).reshape(-1)[s:e].clone(),
+                         elems=(s, e)))
+    name, shape, dtype = ROWS
+    lo, hi = rank * shape[0] // world, (rank + 1) * shape[0] // world
+    out.append(Entry(name, shape, dtype, tensor(name, shape, dtype)[lo:hi].clone(), rows=(lo, hi)))
+    out.append(Entry(REP[0], REP[1], REP[2], tensor(*REP)))
+    return out
+
+
+def check_read(path: str, rank: int, world: int, comm) -> None:
+    with Reader(path) as r:
+        for (name, shape, dtype), (s, e) in zip(FLAT, flat_ranges(world)[rank]):
+            want = tensor(name, shape, dtype)
+            got = r.read(name, shape, elems=(s, e))
+            if got is not None:
+                got = layout.from_numpy(got, dtype)
+                assert got.shape == (e - s,), (name, got.shape, (s, e))
+                assert torch.equal(got, want.reshape(-1)[s:e]), (name, s, e)
+            whole = r.read(name, shape)
+            if whole is not None:
+                assert torch.equal(layout.from_numpy(whole, dtype), want), name
+        name, shape, dtype = ROWS
+        lo, hi = rank * shape[0] // world, (rank + 1) * shape[0] // world
+        got = r.read(name, shape, rows=(lo, hi))
+        if got is not None:
+            assert torch.equal(torch.from_numpy(got), tensor(*ROWS)[lo:hi]), name
+        got = r.read(REP[0], REP[1])
+        if got is not None:
+            assert torch.equal(torch.from_numpy(got), tensor(*REP)), REP[0]
+        r.check(comm)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["write", "read"])
+    p.add_argument("path")
+    p.add_argument("--block-bytes", type=int, default=0)
+    p.add_argument("--gap", action="store_true")
+    a = p.parse_args()
+    comm = MPI.COMM_WORLD
+    rank, world = comm.Get_rank(), comm.Get_size()
+    if a.block_bytes:
+        layout.BLOCK_BYTES = a.block_bytes  # many blocks, cut by the ranges
+    try:
+        if a.mode == "write":
+            write_entries(a.path, entries(rank, world, a.gap), {"world_size": np.int64(world)},
+                          comm)
+        else:
+            check_read(a.path, rank, world, comm)
+    except (CheckpointError, ValueError) as exc:
+        print(f"rank {rank}: {exc}", flush=True)
+        return 3
+    print(f"rank {rank}: OK", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""Flat element-range shards (ZeRO/FSDP): written at N ranks, read at M, checksums, fallback."""
+
+import os
+import random
+import zlib
+
+import h5py
+import numpy as np
+import pytest
+
+from hpctrain.checkpoint.checksum import crc32_combine, merge_pieces, piece_crcs, verify_flat
+from hpctrain.checkpoint.hyperslab import flat_boxes
+from tests.mpirun import run_mpi
+
+WORKER = ["-W", "ignore::RuntimeWarning", "-m", "tests.checkpoint.elem_worker"]
+
+
+def _mpi(n, *args, env=None, check=True):
+    return run_mpi(n, WORKER + [str(a) for a in args], env=env, check=check, timeout=120)
+
+
+def _ok(proc, n):
+    for r in range(n):
+        assert f"rank {r}: OK" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("la,lb", [(0, 0), (1, 0), (0, 1), (3, 5), (1000, 1), (4 << 20, 12345),
+                                   (17, (9 << 20) + 3)])
+def test_crc32_combine_matches_zlib(la, lb):
+    a, b = os.urandom(la), os.urandom(lb)
+    assert crc32_combine(zlib.crc32(a), zlib.crc32(b), lb) == zlib.crc32(a + b)
+
+
+def test_flat_boxes_are_the_range_in_order():
+    for shape in [(13, 7), (29,), (3, 5, 11), (2, 3, 4, 5)]:
+        idx = np.arange(int(np.prod(shape))).reshape(shape)
+        for start in range(0, idx.size + 1, 3):
+            for stop in range(start, idx.size + 1, 2):
+                boxes = flat_boxes(shape, start, stop)
+                assert len(boxes) <= 2 * len(shape) - 1
+                got = [x for off, cnt in boxes
+                       for x in idx[tuple(slice(o, o + c) for o, c in zip(off, cnt))].ravel()]
+                assert got == list(range(start, stop)), (shape, start, stop)
+
+
+def test_pieces_cut_anywhere_merge_to_whole_block_crcs():
+    rng = random.Random(0)
+    data = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+    belems = 64
+    whole = [zlib.crc32(data[b:b + belems].tobytes()) for b in range(0, data.size, belems)]
+    for _ in range(20):
+        cuts = sorted({0, data.size, *rng.sample(range(1, data.size), 7)})
+        pieces = [p for lo, hi in zip(cuts, cuts[1:]) for p in piece_crcs(data[lo:hi], lo, belems)]
+        rng.shuffle(pieces)  # ranks gather in any order
+        merged = merge_pieces(pieces, data.size, belems, 4, "x")
+        assert list(merged) == whole
+        assert verify_flat(data, 0, belems, merged, data.size) == []
+    bad = data.copy()
+    bad[130] += 1
+    assert verify_flat(bad, 0, belems, merged, data.size) == [2]
+    with pytest.raises(ValueError, match="x: .*cover the global tensor exactly once"):
+        merge_pieces(piece_crcs(data[:500], 0, belems) + piece_crcs(data[501:], 501, belems),
+                     data.size, belems, 4, "x")
+
+
+# (write world, read world, checksum block bytes; 0: the default 4 MiB, one block per tensor)
+CASES = [(4, 2, 64), (2, 4, 64), (3, 2, 64), (1, 4, 64), (3, 4, 0)]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n,m,block", CASES, ids=lambda c: str(c))
+def test_written_at_n_read_at_m(tmp_path, n, m, block):
+    path = tmp_path / "ck.h5"
+    _ok(_mpi(n, "write", path, "--block-bytes", block), n)
+    with h5py.File(path) as f:
+        assert f["flat/t3x5x11"].shape == (3, 5, 11) and f["flat/scalar"].shape == ()
+    _ok(_mpi(m, "read", path), m)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n,m", [(4, 3), (3, 1)])
+def test_serial_fallback_elems(tmp_path, n, m):
+    path = tmp_path / "ck.h5"
+    _ok(_mpi(n, "write", path, "--block-bytes", 64, env={"HPCTRAIN_CKPT_FORCE_SERIAL": "1"}), n)
+    with h5py.File(path) as f:
+        assert f.attrs["layout"] == "virtual" and f["flat/m13x7"].is_virtual
+    _ok(_mpi(m, "read", path), m)
+
+
+@pytest.mark.mpi
+def test_flipped_byte_named_on_every_rank(tmp_path):
+    path = tmp_path / "ck.h5"
+    _ok(_mpi(2, "write", path, "--block-bytes", 64), 2)
+    with h5py.File(path) as f:
+        offset = f["flat/t3x5x11"].id.get_offset()
+    with open(path, "r+b") as fh:  # one byte of the raw data, behind HDF5's back
+        fh.seek(offset + 101)
+        byte = fh.read(1)
+        fh.seek(offset + 101)
+        fh.write(bytes([byte[0] ^ 0x10]))
+    proc = _mpi(3, "read", path, check=False)
+    assert proc.returncode != 0
+    for r in range(3):
+        assert f"rank {r}: checkpoint" in proc.stdout, proc.stdout + proc.stderr
+    assert "'flat/t3x5x11' fails its checksum" in proc.stdout
+
+
+@pytest.mark.mpi
+def test_ranges_not_covering_rejected_on_every_rank(tmp_path):
+    proc = _mpi(2, "write", tmp_path / "ck.h5", "--gap", check=False)
+    assert proc.returncode != 0
+    for r in range(2):
+        assert f"rank {r}: flat/m13x7:" in proc.stdout, proc.stdout + proc.stderr
+    assert not (tmp_path / "ck.h5").exists()
