@@ -13,7 +13,7 @@ __all__ = ["main", "build_parser"]
 
 # flag -> (section, key); the flags override the TOML file.
 TRAIN_FLAGS = {
-    "strategy": ("train", "strategy", str, "parallel strategy: single, ddp"),
+    "strategy": ("train", "strategy", str, "parallel strategy: single, ddp, zero1, zero2, zero3"),
     "model": ("train", "model", str, "built-in model (mlp, gpt) or package.module:factory"),
     "steps": ("train", "steps", int, "optimizer steps"),
     "global_batch_size": ("train", "global_batch_size", int, "samples per step over all ranks"),

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 __all__ = [
-    "ConfigError", "TrainSection", "DDPSection", "RuntimeSection", "CheckpointSection", "Config",
+    "ConfigError", "TrainSection", "DDPSection", "ZeroSection", "RuntimeSection", "CheckpointSection", "Config",
     "load_config", "parse_assignment", "STRATEGIES", "OPTIMIZERS", "PRECISIONS",
 ]
 
-STRATEGIES = ("single", "ddp")
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3")
 OPTIMIZERS = ("sgd", "adamw")
 PRECISIONS = ("fp32", "bf16", "fp16")
 PROGRESS = ("auto", "on", "off")
@@ -73,6 +73,13 @@ class DDPSection:
 
 
 @dataclass
+class ZeroSection:
+    """[zero]: ZeRO stages 1-3 (strategies zero1, zero2, zero3)."""
+
+    sync_batchnorm: bool = _f(True, "BatchNorm statistics over the global batch (all ranks)")
+
+
+@dataclass
 class RuntimeSection:
     """[runtime]: the world, devices and the mesh."""
 
@@ -97,6 +104,7 @@ class Config:
 
     train: TrainSection = field(default_factory=TrainSection)
     ddp: DDPSection = field(default_factory=DDPSection)
+    zero: ZeroSection = field(default_factory=ZeroSection)
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
 
@@ -138,7 +146,7 @@ class Config:
         except ValueError as exc:
             raise ConfigError(f"runtime.mesh = {self.runtime.mesh!r}: {exc}") from None
         used = {k: v for k, v in layout.degrees().items() if k != "dp" and v > 1}
-        if used and self.train.strategy in ("single", "ddp"):
+        if used and self.train.strategy in ("single", "ddp", "zero1", "zero2", "zero3"):
             raise ConfigError(
                 f"runtime.mesh = {self.runtime.mesh!r} uses {', '.join(used)} but strategy "
                 f"{self.train.strategy!r} only uses dp; drop those degrees or pick a strategy that uses them")

@@ -15,6 +15,10 @@ __all__ = ["STRATEGY_MODULES", "wrap", "Parallelized", "OptimizerFactory"]
 STRATEGY_MODULES = {
     "single": "hpctrain.parallel.single",
     "ddp": "hpctrain.parallel.ddp",
+    # One module, three presets: strategy_options() gives ZeroOptions(stage=N).
+    "zero1": "hpctrain.parallel.zero",
+    "zero2": "hpctrain.parallel.zero",
+    "zero3": "hpctrain.parallel.zero",
 }
 
 

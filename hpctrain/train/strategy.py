@@ -31,4 +31,9 @@ def strategy_options(cfg: Config):
                           fusion_threshold_mb=d.fusion_threshold_mb,
                           cycle_time_ms=d.cycle_time_ms, grad_accum=cfg.train.grad_accum,
                           sync_batchnorm=d.sync_batchnorm)
+    if s in ("zero1", "zero2", "zero3"):
+        from hpctrain.parallel.zero import ZeroOptions
+
+        return ZeroOptions(stage=int(s[-1]), grad_accum=cfg.train.grad_accum,
+                           sync_batchnorm=cfg.zero.sync_batchnorm)
     return None

@@ -1,0 +1,138 @@
+"""Flat parameter units: a group of parameters viewed into one padded buffer, sharded over ranks.
+
+Shared infrastructure of the sharded strategies (zero, fsdp). A unit's trainable parameters
+are copied into one flat buffer padded to a multiple of the world size, and each parameter's
+``.data`` becomes a view of it; rank r owns the contiguous slice ``[r*S, (r+1)*S)``. Any
+parameter count shards over any world size; the padding is zero and stays zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hpctrain.runtime.comm import Communicator
+
+__all__ = ["FlatUnit", "Slot"]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one parameter lives in its unit's flat buffer."""
+
+    name: str
+    param: nn.Parameter
+    offset: int
+    numel: int
+    shape: tuple
+
+    def owned(self, lo: int, hi: int) -> tuple[int, int]:
+        """The part [a, b) of this parameter's flat elements inside the flat range [lo, hi)."""
+        a = min(max(lo - self.offset, 0), self.numel)
+        b = min(max(hi - self.offset, 0), self.numel)
+        return a, max(a, b)
+
+
+class FlatUnit:
+    """The flat buffer of one unit's parameters and this rank's shard of it.
+
+    ``keep_full``: the full buffer stays allocated and the shard parameter is a view of it
+    (zero1/zero2); otherwise the shard has its own storage and the full buffer exists only
+    between ``gather()`` and ``free()`` (zero3/fsdp).
+    """
+
+    def __init__(self, name: str, named_params: list[tuple[str, nn.Parameter]],
+                 comm: Communicator, keep_full: bool):
+        if not named_params:
+            raise ValueError(f"unit {name!r} has no parameters; build units only over modules "
+                             "that own trainable parameters")
+        dtypes = {p.dtype for _, p in named_params}
+        if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+            raise ValueError(f"unit {name!r} mixes parameter dtypes {sorted(map(str, dtypes))}; "
+                             "a flat buffer needs one floating dtype: cast the model first "
+                             "(e.g. model.float())")
+        self.name = name
+        self.comm = comm
+        self.keep_full = keep_full
+        dtype, device = named_params[0][1].dtype, named_params[0][1].device
+        slots, offset = [], 0
+        for pname, p in named_params:
+            slots.append(Slot(pname, p, offset, p.numel(), tuple(p.shape)))
+            offset += p.numel()
+        self.slots = slots
+        self.numel = offset
+        n = max(comm.size, 1)
+        self.padded = -(-offset // n) * n  # ceil to a multiple of the world size
+        self.shard_numel = self.padded // n
+        self.lo = comm.rank * self.shard_numel
+        self.hi = self.lo + self.shard_numel
+        self.full = torch.zeros(self.padded, dtype=dtype, device=device)
+        with torch.no_grad():
+            for s in slots:
+                self.full[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+                s.param.data = self.full[s.offset:s.offset + s.numel].view(s.shape)
+        if keep_full:
+            self.shard = nn.Parameter(self.full[self.lo:self.hi])
+        else:
+            self.shard = nn.Parameter(self.full[self.lo:self.hi].clone())
+        self.gathered = True
+        self._nbytes = self.full.untyped_storage().nbytes()
+
+    # ---- the full buffer ---------------------------------------------------------------
+
+    def gather(self) -> None:
+        """Fill the full buffer from every rank's shard (collective over comm)."""
+        if not self.keep_full and self.gathered:
+            return
+        storage = self.full.untyped_storage()
+        if storage.nbytes() != self._nbytes:
+            storage.resize_(self._nbytes)  # the same storage: autograd's saved views stay valid
+        if self.keep_full:
+            self.comm.allgather(self.shard.detach().clone(), out=self.full)
+        else:
+            # The MPI backend hands numpy views to MPI, and a numpy view makes a storage
+            # non-resizable for good: gather into a temporary, then copy, keeping the version
+            # counter (the values are the ones autograd saved before the free).
+            tmp = self.comm.allgather(self.shard.detach())
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full):
+                self.full.copy_(tmp)
+        self.gathered = True
+
+    def free(self) -> None:
+        """Release the full buffer's memory (sharded units only; the shard keeps the values)."""
+        if self.keep_full or not self.gathered:
+            return
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def full_bytes(self) -> int:
+        """Bytes of the full buffer when gathered."""
+        return self._nbytes
+
+    # ---- gradients ---------------------------------------------------------------------
+
+    def flat_grad(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The parameters' gradients packed into a flat padded buffer (missing ones as zeros)."""
+        if out is None:
+            out = torch.zeros(self.padded, dtype=self.full.dtype, device=self.full.device)
+        for s in self.slots:
+            if s.param.grad is not None:
+                out[s.offset:s.offset + s.numel].copy_(s.param.grad.reshape(-1))
+        return out
+
+    def owned_ranges(self, slots=None) -> list[tuple[int, int]]:
+        """Shard-local [a, b) ranges of the given slots' elements that this rank owns."""
+        out = []
+        for s in slots if slots is not None else self.slots:
+            a, b = s.owned(self.lo, self.hi)
+            if b > a:
+                out.append((s.offset + a - self.lo, s.offset + b - self.lo))
+        return out
+
+    def shard_view(self, slot: Slot) -> tuple[tuple[int, int], torch.Tensor]:
+        """(the [a, b) elements of slot's flattened parameter this rank owns, their shard view)."""
+        a, b = slot.owned(self.lo, self.hi)
+        start = slot.offset + a - self.lo
+        return (a, b), self.shard.detach()[start:start + (b - a)]

@@ -1,0 +1,80 @@
+"""Units, flat buffers and options of the sharded strategies, without MPI."""
+
+import pytest
+import torch
+
+from hpctrain.config import load_config
+from hpctrain.models.gpt import GPT
+from hpctrain.parallel.flat_buffer import FlatUnit
+from hpctrain.parallel.units import partition
+from hpctrain.parallel.zero import ZeroOptions
+from hpctrain.train.strategy import strategy_options
+from tests.fixtures.awkward import AwkwardNet
+
+
+class _FakeComm:
+    """Rank/size only: FlatUnit's constructor does not communicate."""
+
+    def __init__(self, rank, size):
+        self.rank, self.size = rank, size
+
+
+def test_gpt_units_are_blocks_plus_a_root_holding_the_tied_embedding():
+    units, frozen = partition(GPT(layers=3))
+    assert [u.name for u in units] == ["blocks.0", "blocks.1", "blocks.2", "<root>"]
+    root = dict(units[-1].params)
+    assert "tok_emb.weight" in root and "head.weight" not in root  # tied: once
+    assert not frozen
+
+
+def test_awkward_units_keep_frozen_params_out_and_tied_ones_once():
+    units, frozen = partition(AwkwardNet())
+    names = [n for n, _ in units[0].params]
+    assert [n for n, _ in frozen] == ["gain"]
+    assert "mid1.weight" in names and "mid2.weight" not in names and "unused" in names
+    assert sum(p.numel() for _, p in units[0].params) == 232 + 870 + 29 + 150 + 77
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 7])
+def test_flat_unit_pads_any_count_and_params_view_it(size):
+    model = AwkwardNet()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    units, _ = partition(model)
+    shards = []
+    for rank in range(size):
+        m = AwkwardNet()
+        m.load_state_dict(model.state_dict())
+        (spec,), _ = partition(m)
+        u = FlatUnit("root", spec.params, _FakeComm(rank, size), keep_full=True)
+        assert u.padded % size == 0 and u.padded - u.numel < size
+        assert u.shard.data_ptr() == u.full.data_ptr() + u.lo * 4  # zero1/2: a view
+        shards.append(u.shard.detach().clone())
+        for name, p in m.named_parameters():
+            if p.requires_grad:
+                assert p.data_ptr() >= u.full.data_ptr()  # a view of the buffer
+                torch.testing.assert_close(p.detach(), before[name])
+    flat = torch.cat(shards)
+    assert torch.count_nonzero(flat[u.numel:]) == 0  # padding is zero
+
+
+def test_flat_unit_owned_ranges_cover_each_parameter_once():
+    size = 3
+    covered = {}
+    for rank in range(size):
+        (spec,), _ = partition(AwkwardNet())
+        u = FlatUnit("root", spec.params, _FakeComm(rank, size), keep_full=False)
+        for s in u.slots:
+            (a, b), view = u.shard_view(s)
+            assert view.numel() == b - a
+            covered[s.name] = covered.get(s.name, 0) + (b - a)
+    assert covered == {s.name: s.numel for s in u.slots}
+
+
+def test_zero_options_are_checked_and_built_from_the_config():
+    with pytest.raises(ValueError, match="expected 1, 2 or 3"):
+        ZeroOptions(stage=4)
+    with pytest.raises(ValueError, match="grad_accum"):
+        ZeroOptions(grad_accum=0)
+    cfg = load_config(None, [{"train": {"strategy": "zero2", "grad_accum": 2},
+                              "zero": {"sync_batchnorm": False}}])
+    assert strategy_options(cfg) == ZeroOptions(stage=2, grad_accum=2, sync_batchnorm=False)
