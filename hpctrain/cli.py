@@ -70,7 +70,34 @@ def build_parser() -> argparse.ArgumentParser:
     bc = bsub.add_parser("checkpoint", help="hpctrain vs torch.distributed.checkpoint vs dd")
     bc.add_argument("--mb", type=int, default=400, help="model state size in MB")
     bc.add_argument("--dir", default="", help="directory on the disk to test (default: a temp dir)")
+    bm = bsub.add_parser("memory", help="peak RSS per rank of each strategy vs the ZeRO formula "
+                         "and torch FSDP2")
+    bm.add_argument("--params-m", type=float, default=20.0, help="model size, millions of params")
+    bm.add_argument("--steps", type=int, default=3, help="AdamW steps before reading the peak")
+    bm.add_argument("--strategies", type=_strategy_list,
+                    default="single,ddp,zero1,zero2,zero3,fsdp2",
+                    help="comma-separated (single runs only on 1 rank)")
+    bm.add_argument("--mmap-threshold-kb", type=int, default=0,
+                    help="fix glibc's mmap threshold in the measured ranks (0: glibc's dynamic "
+                         "default, which keeps freed multi-MB tensors resident)")
+    bs = bsub.add_parser("step", help="step time of zero3 vs torch FSDP2, ddp for reference")
+    bs.add_argument("--params-m", type=float, default=20.0, help="model size, millions of params")
+    bs.add_argument("--steps", type=int, default=10, help="timed steps (median)")
+    bs.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    bs.add_argument("--batch", type=int, default=32, help="samples per rank")
+    bs.add_argument("--strategies", type=_strategy_list, default="zero3,fsdp2,ddp",
+                    help="comma-separated")
     return p
+
+
+def _strategy_list(text: str) -> tuple:
+    from hpctrain.bench.workload import STRATEGIES
+
+    names = tuple(s.strip() for s in text.split(",") if s.strip())
+    bad = [s for s in names if s not in STRATEGIES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected names from {', '.join(STRATEGIES)}")
+    return names
 
 
 def _overrides(args) -> list[dict]:
@@ -137,6 +164,15 @@ def cmd_ckpt(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.bench_command == "memory":
+        from hpctrain.bench.memory import run as run_memory
+
+        return run_memory(args.params_m, args.steps, args.strategies,
+                          mmap_threshold_kb=args.mmap_threshold_kb)
+    if args.bench_command == "step":
+        from hpctrain.bench.step import run as run_step
+
+        return run_step(args.params_m, args.steps, args.warmup, args.batch, args.strategies)
     from hpctrain.bench.checkpoint import run
 
     return run(args.mb, args.dir)
