@@ -144,6 +144,12 @@ class Parallelized:
                 state[k] = t.clone() if t.dim() == 0 else t.to(p.device).clone()
             if state:
                 self.optimizer.state[p] = state
+        self._load_param_groups(reader)
+
+    def _load_param_groups(self, reader) -> None:
+        """Restore the optimizer's param-group hyperparameters saved by state_meta()."""
+        import json
+
         groups = json.loads(reader.attrs.get("optim_param_groups", "[]"))
         for g, sg in zip(self.optimizer.param_groups, groups):
             g.update({k: (tuple(v) if isinstance(g.get(k), tuple) else v)

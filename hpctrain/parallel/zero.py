@@ -309,10 +309,7 @@ class Zero(Parallelized):
                         buf[start:start + (b - a)].copy_(from_numpy(arr, dtype))
             if state:
                 self.optimizer.state[u.shard] = state
-        groups = json.loads(reader.attrs.get("optim_param_groups", "[]"))
-        for g, sg in zip(self.optimizer.param_groups, groups):
-            g.update({k: (tuple(v) if isinstance(g.get(k), tuple) else v)
-                      for k, v in sg.items() if k != "params" and k in g})
+        self._load_param_groups(reader)
 
     # ---- norms and memory --------------------------------------------------------------
 
