@@ -34,6 +34,21 @@ class Parallelized:
         """Accumulate gradients of loss (already weighted by its share of the global batch)."""
         loss.backward()
 
+    def forward_backward(self, micro_batches: Iterable, loss_fn, precision) -> float:
+        """Run forward and backward over one step's micro-batches; return the weighted loss.
+
+        ``micro_batches`` yields ``(x, y, weight)`` with weight = the micro-batch's share of
+        the global batch. Strategies that schedule micro-batches themselves (pipeline) or
+        split each sample (domain) override this; the loop never looks inside.
+        """
+        local = 0.0
+        for x, y, weight in micro_batches:
+            with precision.autocast():
+                loss = loss_fn(self.model(x), y)
+            self.backward(precision.scale(loss * weight))
+            local += float(loss.detach()) * weight
+        return local
+
     def _sync_grads(self) -> None:
         """Make every gradient the global one (no-op for one process)."""
 

@@ -64,21 +64,21 @@ class Trainer:
         return checkpoint.save_checkpoint(c.dir, step, self.par, self.world, self.cfg, self.sampler,
                                           losses, self.precision.scaler, c.keep)
 
-    def _train_step(self, step: int) -> float:
-        """Run one optimizer step; return this rank's weighted share of the global mean loss."""
+    def _micro_batches(self, step: int):
+        """Yield (x, y, weight) for this rank's micro-batches of `step`."""
         t, b = self.cfg.train, self.built
-        local = 0.0
         for indices in self.sampler.micro_batches(step):
             weight = len(indices) / t.global_batch_size
             if weight == 0:
                 continue
             x, y = collate(b.dataset, indices)
-            x, y = x.to(self.world.device, non_blocking=True), y.to(self.world.device, non_blocking=True)
-            with self.precision.autocast():
-                loss = b.loss_fn(self.par.model(x), y)
-            self.par.backward(self.precision.scale(loss * weight))
-            local += float(loss.detach()) * weight
-        self.par.step(self.precision.scaler, t.max_grad_norm)
+            yield (x.to(self.world.device, non_blocking=True),
+                   y.to(self.world.device, non_blocking=True), weight)
+
+    def _train_step(self, step: int) -> float:
+        """Run one optimizer step; return this rank's weighted share of the global mean loss."""
+        local = self.par.forward_backward(self._micro_batches(step), self.built.loss_fn, self.precision)
+        self.par.step(self.precision.scaler, self.cfg.train.max_grad_norm)
         return local
 
     def fit(self) -> dict:
