@@ -120,6 +120,12 @@ def _fail(rank: int, msg: str) -> int:
     # Every rank fails identically; one copy of the message is enough.
     if rank == 0:
         print(f"hpctrain: error: {msg}", file=sys.stderr, flush=True)
+    else:
+        # The launcher tears the job down at the first non-zero exit; give rank 0's line
+        # time to reach it so the user sees why.
+        import time
+
+        time.sleep(1.0)
     return 2
 
 
