@@ -13,7 +13,7 @@ __all__ = ["main", "build_parser"]
 
 # flag -> (section, key); the flags override the TOML file.
 TRAIN_FLAGS = {
-    "strategy": ("train", "strategy", str, "parallel strategy: single, ddp, zero1, zero2, zero3"),
+    "strategy": ("train", "strategy", str, "parallel strategy: single, ddp, zero1, zero2, zero3, pipeline"),
     "model": ("train", "model", str, "built-in model (mlp, gpt) or package.module:factory"),
     "steps": ("train", "steps", int, "optimizer steps"),
     "global_batch_size": ("train", "global_batch_size", int, "samples per step over all ranks"),
@@ -141,7 +141,7 @@ def cmd_train(args) -> int:
     from hpctrain.train.trainer import Trainer, build_model
 
     try:
-        built = build_model(cfg)  # imports a user's factory: fail here, before MPI starts
+        built = build_model(cfg, size)  # imports a user's factory: fail here, before MPI starts
     except (ValueError, TypeError, ImportError) as exc:
         return _fail(rank, f"train.model = {cfg.train.model!r}: {exc}")
     from hpctrain.checkpoint import CheckpointError
