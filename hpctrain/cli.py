@@ -13,7 +13,7 @@ __all__ = ["main", "build_parser"]
 
 # flag -> (section, key); the flags override the TOML file.
 TRAIN_FLAGS = {
-    "strategy": ("train", "strategy", str, "parallel strategy: single, ddp, zero1, zero2, zero3"),
+    "strategy": ("train", "strategy", str, "parallel strategy: single, ddp, zero1, zero2, zero3, pipeline"),
     "model": ("train", "model", str, "built-in model (mlp, gpt) or package.module:factory"),
     "steps": ("train", "steps", int, "optimizer steps"),
     "global_batch_size": ("train", "global_batch_size", int, "samples per step over all ranks"),
@@ -87,7 +87,26 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--batch", type=int, default=32, help="samples per rank")
     bs.add_argument("--strategies", type=_strategy_list, default="zero3,fsdp2,ddp",
                     help="comma-separated")
+    bp = bsub.add_parser("pipeline", help="pipeline bubble per stage vs (p-1)/(m+p-1), "
+                         "throughput vs torch.distributed.pipelining (gloo)")
+    bp.add_argument("--pp", type=_int_list, default=(2, 4), help="pipeline depths, e.g. 2,4")
+    bp.add_argument("--microbatches", type=_int_list, default=(4, 8, 16), help="values of m")
+    bp.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b", help="comma-separated")
+    bp.add_argument("--virtual-stages", type=int, default=2, help="chunks per rank (interleaved)")
+    bp.add_argument("--layers", type=int, default=16, help="identical Linear+GELU layers")
+    bp.add_argument("--width", type=int, default=512, help="layer width")
+    bp.add_argument("--micro-batch", type=int, default=32, help="samples per micro-batch")
+    bp.add_argument("--steps", type=int, default=5, help="timed steps (median)")
+    bp.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    bp.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
     return p
+
+
+def _int_list(text: str) -> tuple:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers") from None
 
 
 def _strategy_list(text: str) -> tuple:
@@ -147,7 +166,7 @@ def cmd_train(args) -> int:
     from hpctrain.train.trainer import Trainer, build_model
 
     try:
-        built = build_model(cfg)  # imports a user's factory: fail here, before MPI starts
+        built = build_model(cfg, size)  # imports a user's factory: fail here, before MPI starts
     except (ValueError, TypeError, ImportError) as exc:
         return _fail(rank, f"train.model = {cfg.train.model!r}: {exc}")
     from hpctrain.checkpoint import CheckpointError
@@ -179,6 +198,12 @@ def cmd_bench(args) -> int:
         from hpctrain.bench.step import run as run_step
 
         return run_step(args.params_m, args.steps, args.warmup, args.batch, args.strategies)
+    if args.bench_command == "pipeline":
+        from hpctrain.bench.pipeline import run as run_pipeline
+
+        return run_pipeline(args.pp, args.microbatches, tuple(args.schedules.split(",")),
+                            args.virtual_stages, args.layers, args.width, args.micro_batch,
+                            args.steps, args.warmup, not args.no_torch)
     from hpctrain.bench.checkpoint import run
 
     return run(args.mb, args.dir)

@@ -13,11 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 __all__ = [
-    "ConfigError", "TrainSection", "DDPSection", "ZeroSection", "RuntimeSection", "CheckpointSection", "Config",
+    "ConfigError", "TrainSection", "DDPSection", "ZeroSection", "PipelineSection", "RuntimeSection",
+    "CheckpointSection", "Config",
     "load_config", "parse_assignment", "STRATEGIES", "OPTIMIZERS", "PRECISIONS",
 ]
 
-STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3")
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "pipeline")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+PIPELINE_BALANCE = ("param-count", "measured")
 OPTIMIZERS = ("sgd", "adamw")
 PRECISIONS = ("fp32", "bf16", "fp16")
 PROGRESS = ("auto", "on", "off")
@@ -80,6 +83,19 @@ class ZeroSection:
 
 
 @dataclass
+class PipelineSection:
+    """[pipeline]: pipeline parallel over the mesh's pp dimension (strategy pipeline)."""
+
+    schedule: str = _f("1f1b", "gpipe, 1f1b, or interleaved-1f1b", choices=PIPELINE_SCHEDULES)
+    microbatches: int = _f(4, "pipeline micro-batches per (grad-accumulation) batch", min=1)
+    virtual_stages: int = _f(2, "model chunks per rank (interleaved-1f1b only)", min=1)
+    balance: str = _f("param-count", "split layers by parameter count or measured layer time",
+                      choices=PIPELINE_BALANCE)
+    split_points: str = _f("", "explicit stage starts: comma-separated layer indices or names "
+                               "(e.g. '3,6' or 'blocks.2'); empty: balanced split")
+
+
+@dataclass
 class RuntimeSection:
     """[runtime]: the world, devices and the mesh."""
 
@@ -105,6 +121,7 @@ class Config:
     train: TrainSection = field(default_factory=TrainSection)
     ddp: DDPSection = field(default_factory=DDPSection)
     zero: ZeroSection = field(default_factory=ZeroSection)
+    pipeline: PipelineSection = field(default_factory=PipelineSection)
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
 
@@ -125,7 +142,9 @@ class Config:
                 f"{t.global_batch_size}: every micro-batch needs at least one sample; lower "
                 f"--grad-accum or raise --global-batch-size")
         per_micro = t.global_batch_size // t.grad_accum
-        if per_micro < world_size:
+        if t.strategy == "pipeline":
+            self._validate_pipeline(world_size)
+        elif per_micro < world_size:
             raise ConfigError(
                 f"train.global_batch_size = {t.global_batch_size} with grad_accum = {t.grad_accum} "
                 f"gives micro-batches of {per_micro} samples, fewer than the {world_size} ranks; "
@@ -146,10 +165,44 @@ class Config:
         except ValueError as exc:
             raise ConfigError(f"runtime.mesh = {self.runtime.mesh!r}: {exc}") from None
         used = {k: v for k, v in layout.degrees().items() if k != "dp" and v > 1}
+        if self.train.strategy == "pipeline":
+            return  # checked by _validate_pipeline
         if used and self.train.strategy in ("single", "ddp", "zero1", "zero2", "zero3"):
             raise ConfigError(
                 f"runtime.mesh = {self.runtime.mesh!r} uses {', '.join(used)} but strategy "
                 f"{self.train.strategy!r} only uses dp; drop those degrees or pick a strategy that uses them")
+
+    def _validate_pipeline(self, world_size: int) -> None:
+        """Pipeline rules: mesh of pp x dp only, micro-batches that divide the batch, fp32/bf16."""
+        from hpctrain.runtime.mesh import MeshLayout
+
+        t, pl = self.train, self.pipeline
+        mesh = self.runtime.mesh or f"pp={world_size},dp=1"
+        try:
+            layout = MeshLayout.parse(mesh).resolve(world_size)
+        except ValueError as exc:
+            raise ConfigError(f"runtime.mesh = {self.runtime.mesh!r}: {exc}") from None
+        if layout.tp != 1 or layout.dom_size != 1:
+            raise ConfigError(f"runtime.mesh = {self.runtime.mesh!r}: strategy 'pipeline' uses "
+                              f"only pp and dp; drop tp/dom")
+        m, dp, p = pl.microbatches, layout.dp, layout.pp
+        if t.global_batch_size % (t.grad_accum * dp * m):
+            raise ConfigError(
+                f"pipeline.microbatches = {m} does not divide the batch: global_batch_size = "
+                f"{t.global_batch_size} must be a multiple of grad_accum ({t.grad_accum}) x dp "
+                f"({dp}) x microbatches ({m}) = {t.grad_accum * dp * m}; change "
+                f"--global-batch-size or --set pipeline.microbatches=N")
+        if pl.schedule == "interleaved-1f1b":
+            if pl.virtual_stages < 2:
+                raise ConfigError("pipeline.virtual_stages = 1 with interleaved-1f1b: use 2 or "
+                                  "more chunks per rank, or schedule 1f1b")
+            if m % p:
+                raise ConfigError(
+                    f"pipeline.microbatches = {m} with interleaved-1f1b must be a multiple of "
+                    f"pp = {p}; use --set pipeline.microbatches={max(p, m - m % p)}")
+        if t.precision == "fp16":
+            raise ConfigError("train.precision = 'fp16' is not supported with strategy "
+                              "'pipeline' (stages would need to agree on skipped steps); use bf16")
 
     def sections(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -7,8 +7,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data.synthetic import make_markov_tokens
+from .layers import LayerStack, PipeLayer, seeded
 
-__all__ = ["GPT", "GPTBlock", "CausalSelfAttention", "factory", "lm_loss", "DEFAULTS"]
+__all__ = ["GPT", "GPTBlock", "CausalSelfAttention", "factory", "gpt_layers", "lm_loss",
+           "pipeline", "DEFAULTS"]
 
 DEFAULTS = dict(vocab=67, d_model=48, heads=4, layers=2, seq_len=32, n_samples=2048)
 
@@ -49,39 +51,89 @@ class GPTBlock(nn.Module):
 
 
 class GPT(nn.Module):
-    """Token + learned position embeddings, GPTBlocks, final LayerNorm, tied output head."""
+    """Token + learned position embeddings, GPTBlocks, final LayerNorm, tied output head.
 
-    def __init__(self, vocab=67, d_model=48, heads=4, layers=2, seq_len=32):
+    Built from ``gpt_layers``: each layer is initialised under its own seed, so a pipeline
+    stage that builds only some layers gets exactly these weights.
+    """
+
+    def __init__(self, vocab=67, d_model=48, heads=4, layers=2, seq_len=32, seed=0):
         super().__init__()
         self.seq_len = seq_len
-        self.tok_emb = nn.Embedding(vocab, d_model)
-        self.pos_emb = nn.Embedding(seq_len, d_model)
-        self.blocks = nn.ModuleList(GPTBlock(d_model, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(d_model)
-        self.head = nn.Linear(d_model, vocab, bias=False)
+        built = {}
+        for layer in gpt_layers(vocab, d_model, heads, layers, seq_len, seed).layers:
+            built.update(layer.build())
+        self.tok_emb = built["tok_emb"]
+        self.pos_emb = built["pos_emb"]
+        self.blocks = nn.ModuleList(built[f"blocks.{i}"] for i in range(layers))
+        self.ln_f = built["ln_f"]
+        self.head = built["head"]
         self.head.weight = self.tok_emb.weight  # tied: one Parameter, two uses
-        self._init_weights(layers)
-
-    def _init_weights(self, layers):
-        # GPT-2 style: small normal init; residual projections scaled down by depth.
-        for name, p in self.named_parameters():
-            if p.dim() == 1:
-                if not name.endswith("weight"):  # biases (LayerNorm weights keep 1)
-                    nn.init.zeros_(p)
-            elif name.endswith("attn.proj.weight") or name.endswith("mlp.2.weight"):
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * layers))
-            else:
-                nn.init.normal_(p, std=0.02)
 
     def forward(self, idx):
-        t = idx.shape[1]
-        if t > self.seq_len:
-            raise ValueError(f"sequence length {t} exceeds the model's seq_len {self.seq_len}")
-        pos = torch.arange(t, device=idx.device)
-        x = self.tok_emb(idx) + self.pos_emb(pos)
+        x = _embed(self, idx)
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+
+def _init_(module, prefix, layers):
+    # GPT-2 style: small normal init; residual projections scaled down by depth.
+    for name, p in module.named_parameters(prefix=prefix):
+        if p.dim() == 1:
+            if not name.endswith("weight"):  # biases (LayerNorm weights keep 1)
+                nn.init.zeros_(p)
+        elif name.endswith("attn.proj.weight") or name.endswith("mlp.2.weight"):
+            nn.init.normal_(p, std=0.02 / math.sqrt(2 * layers))
+        else:
+            nn.init.normal_(p, std=0.02)
+
+
+def _embed(root, idx):
+    t = idx.shape[1]
+    if t > root.pos_emb.num_embeddings:
+        raise ValueError(f"sequence length {t} exceeds the model's seq_len "
+                         f"{root.pos_emb.num_embeddings}")
+    return root.tok_emb(idx) + root.pos_emb(torch.arange(t, device=idx.device))
+
+
+def gpt_layers(vocab=67, d_model=48, heads=4, layers=2, seq_len=32, seed=0) -> LayerStack:
+    """The GPT as layers: embeddings, one per block, final LayerNorm + tied head."""
+    def tok_weight():  # the tied tensor: the same initial value wherever it is built
+        return seeded(seed, -1, lambda: torch.randn(vocab, d_model) * 0.02)
+
+    def embed():
+        def build():
+            mods = {"tok_emb": nn.Embedding(vocab, d_model), "pos_emb": nn.Embedding(seq_len, d_model)}
+            nn.init.normal_(mods["pos_emb"].weight, std=0.02)
+            return mods
+        mods = seeded(seed, 0, build)
+        with torch.no_grad():
+            mods["tok_emb"].weight.copy_(tok_weight())
+        return mods
+
+    def block(i):
+        def build():
+            b = GPTBlock(d_model, heads)
+            _init_(b, f"blocks.{i}", layers)
+            return {f"blocks.{i}": b}
+        return lambda: seeded(seed, i + 1, build)
+
+    def head():
+        def build():
+            mods = {"ln_f": nn.LayerNorm(d_model), "head": nn.Linear(d_model, vocab, bias=False)}
+            return mods
+        mods = seeded(seed, layers + 1, build)
+        with torch.no_grad():
+            mods["head"].weight.copy_(tok_weight())
+        return mods
+
+    out = [PipeLayer("embed", embed, _embed)]
+    out += [PipeLayer(f"blocks.{i}", block(i),
+                      lambda root, x, i=i: root.get_submodule(f"blocks.{i}")(x))
+            for i in range(layers)]
+    out.append(PipeLayer("head", head, lambda root, x: root.head(root.ln_f(x))))
+    return LayerStack(out, tied={"head.weight": "tok_emb.weight"})
 
 
 def lm_loss(logits, targets):
@@ -94,6 +146,13 @@ def factory(seed=0, *, vocab=67, d_model=48, heads=4, layers=2, seq_len=32, n_sa
     """Return (GPT, Markov-chain token data set, lm_loss)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = GPT(vocab, d_model, heads, layers, seq_len)
+        model = GPT(vocab, d_model, heads, layers, seq_len, seed)
     data = make_markov_tokens(n_samples, seq_len, vocab, seed, branching)
     return model, data, lm_loss
+
+
+def pipeline(seed=0, *, vocab=67, d_model=48, heads=4, layers=2, seq_len=32, n_samples=2048,
+             branching=3):
+    """Return (LayerStack of the GPT factory's model, its data set, lm_loss); builds no weights."""
+    stack = gpt_layers(vocab, d_model, heads, layers, seq_len, seed)
+    return stack, make_markov_tokens(n_samples, seq_len, vocab, seed, branching), lm_loss

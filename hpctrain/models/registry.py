@@ -11,9 +11,10 @@ from torch.utils.data import Dataset
 
 from . import gpt, mlp
 
-__all__ = ["BuiltModel", "BUILTIN", "build", "describe", "detect_unit"]
+__all__ = ["BuiltModel", "BUILTIN", "build", "build_layers", "describe", "detect_unit"]
 
 _FACTORIES = {"gpt": gpt.factory, "mlp": mlp.factory}
+_PIPELINES = {"gpt": gpt.pipeline, "mlp": mlp.pipeline}  # layer lists: no weights built
 _DESCRIPTIONS = {
     "gpt": "tiny GPT decoder (tied embeddings, causal SDPA) on Markov-chain tokens; "
            "defaults " + ", ".join(f"{k}={v}" for k, v in gpt.DEFAULTS.items()),
@@ -134,3 +135,25 @@ def build(spec, seed, **options):
         model, dataset, loss_fn = _check_result(spec, call())
     unit, per_sample = detect_unit(dataset)
     return BuiltModel(model, dataset, loss_fn, spec, unit, per_sample)
+
+
+def build_layers(spec, seed, **options):
+    """Like build(), but ``model`` is a LayerStack that builds layers on demand (pipeline).
+
+    Built-in models build no weights here; a user factory's model is built whole once and
+    must be an nn.Sequential (one layer per child).
+    """
+    from .layers import from_sequential
+
+    if spec in _PIPELINES:
+        accepted = [p for p in inspect.signature(_PIPELINES[spec]).parameters if p != "seed"]
+        unknown = sorted(set(options) - set(accepted))
+        if unknown:
+            raise ValueError(f"model {spec!r} has no option(s) {unknown}; accepted options: "
+                             f"{', '.join(accepted)}")
+        stack, dataset, loss_fn = _PIPELINES[spec](seed, **options)
+    else:
+        built = build(spec, seed, **options)
+        stack, dataset, loss_fn = from_sequential(built.model), built.dataset, built.loss_fn
+    unit, per_sample = detect_unit(dataset)
+    return BuiltModel(stack, dataset, loss_fn, spec, unit, per_sample)

@@ -19,6 +19,8 @@ STRATEGY_MODULES = {
     "zero1": "hpctrain.parallel.zero",
     "zero2": "hpctrain.parallel.zero",
     "zero3": "hpctrain.parallel.zero",
+    # wrap() takes a LayerStack (models.registry.build_layers), not a built model.
+    "pipeline": "hpctrain.parallel.pipeline",
 }
 
 

@@ -34,6 +34,11 @@ class Parallelized:
         """Accumulate gradients of loss (already weighted by its share of the global batch)."""
         loss.backward()
 
+    def data_shard(self, world) -> tuple[int, int]:
+        """(index, count) of this rank's share of each micro-batch. Ranks that need the same
+        samples (the stages of one pipeline) return the same index."""
+        return world.rank, world.size
+
     def forward_backward(self, micro_batches: Iterable, loss_fn, precision) -> float:
         """Run forward and backward over one step's micro-batches; return the weighted loss.
 

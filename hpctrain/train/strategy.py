@@ -36,4 +36,12 @@ def strategy_options(cfg: Config):
 
         return ZeroOptions(stage=int(s[-1]), grad_accum=cfg.train.grad_accum,
                            sync_batchnorm=cfg.zero.sync_batchnorm)
+    if s == "pipeline":
+        from hpctrain.parallel.pipeline import PipelineOptions
+
+        pl = cfg.pipeline
+        return PipelineOptions(mesh=cfg.runtime.mesh, schedule=pl.schedule,
+                               microbatches=pl.microbatches, virtual_stages=pl.virtual_stages,
+                               balance=pl.balance, split_points=pl.split_points,
+                               activation_checkpointing=cfg.train.activation_checkpointing)
     return None

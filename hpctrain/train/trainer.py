@@ -9,7 +9,7 @@ import torch
 from hpctrain import checkpoint, parallel
 from hpctrain.config import Config
 from hpctrain.data.sampler import GlobalBatchSampler, collate
-from hpctrain.models.registry import BuiltModel, build
+from hpctrain.models.registry import BuiltModel, build, build_layers
 from hpctrain.train.activation_checkpointing import checkpoint_blocks
 from hpctrain.train.metrics import MetricsCSV, peak_rss_mb, write_summary
 from hpctrain.train.precision import Precision
@@ -19,9 +19,24 @@ from hpctrain.train.strategy import make_optimizer_factory, strategy_options
 __all__ = ["Trainer", "build_model"]
 
 
-def build_model(cfg: Config) -> BuiltModel:
-    """Build model, data set and loss from the config (no communication; raises ValueError)."""
-    return build(cfg.train.model, cfg.train.seed, **cfg.train.model_options)
+def build_model(cfg: Config, world_size: int | None = None) -> BuiltModel:
+    """Build model, data set and loss from the config (no communication; raises ValueError).
+
+    The pipeline strategy gets a LayerStack instead of a model (each rank builds only its
+    stage); with world_size given, a split that cannot fit is reported here, before MPI.
+    """
+    t = cfg.train
+    if t.strategy == "pipeline":
+        built = build_layers(t.model, t.seed, **t.model_options)
+        if world_size is not None:
+            from hpctrain.parallel.pipeline import check_fits, resolve_layout
+
+            pl = cfg.pipeline
+            v = pl.virtual_stages if pl.schedule == "interleaved-1f1b" else 1
+            check_fits(len(built.model), resolve_layout(cfg.runtime.mesh, world_size).pp, v,
+                       pl.schedule)
+        return built
+    return build(t.model, t.seed, **t.model_options)
 
 
 class Trainer:
@@ -42,13 +57,18 @@ class Trainer:
         self.world = world
         cfg.validate(world.size)
         t = cfg.train
-        if t.activation_checkpointing:
+        if t.activation_checkpointing and t.strategy != "pipeline":  # pipeline: per layer
             checkpoint_blocks(self.built.model)
         self.precision = Precision(t.precision, world.device)
+        options = strategy_options(cfg)
+        if t.strategy == "pipeline" and cfg.pipeline.balance == "measured":
+            n = t.global_batch_size // (t.grad_accum * cfg.pipeline.microbatches)
+            options.sample = collate(self.built.dataset, range(max(1, n)))[0].to(world.device)
         self.par = parallel.wrap(t.strategy, self.built.model, make_optimizer_factory(t), world,
-                                 strategy_options(cfg))
+                                 options)
+        data_rank, data_ranks = self.par.data_shard(world)
         self.sampler = GlobalBatchSampler(len(self.built.dataset), t.global_batch_size, t.seed,
-                                          world.rank, world.size, t.grad_accum)
+                                          data_rank, data_ranks, t.grad_accum)
         self.start_step, self.history = 0, []
         c = cfg.checkpoint
         resume = checkpoint.resolve_resume(c.resume, c.dir)

@@ -1,0 +1,188 @@
+"""Pipeline bubble and throughput: hpctrain's schedules vs the formula and torch pipelining.
+
+Run under mpirun with at least max(--pp) ranks, e.g. ``mpirun -n 4 python -m hpctrain bench
+pipeline``. For each pipeline depth p the first p ranks form the pipeline (the rest sleep
+without spinning). The model is ``layers`` identical Linear+GELU layers, so a balanced
+split gives every stage the same work and the formula applies as written.
+
+Measured bubble of a stage = 1 - (its compute time) / (step span), where compute is the sum
+of its forward/backward intervals (from timestamps, receives excluded) and the span runs
+from a common barrier to the end of the last compute of any stage. Formula:
+(p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["run", "bench_stack"]
+
+
+def bench_stack(layers: int, width: int, seed: int = 0):
+    """A LayerStack of identical Linear+GELU layers (and the same model as nn.Sequential)."""
+    from hpctrain.models.layers import LayerStack, PipeLayer, seeded
+
+    def layer(i):
+        def build():
+            return seeded(seed, i, lambda: {str(i): nn.Sequential(nn.Linear(width, width), nn.GELU())})
+        return PipeLayer(str(i), build, lambda root, x, i=i: root.get_submodule(str(i))(x))
+
+    return LayerStack([layer(i) for i in range(layers)])
+
+
+def _sub_world(world, p):
+    """A World over the first p ranks (None on the others)."""
+    from hpctrain.runtime.comm.mpi import MPICommunicator
+    from hpctrain.runtime.world import World
+
+    sub = world.mpi_comm.Split(0 if world.rank < p else 1, world.rank)
+    if world.rank >= p:
+        sub.Free()
+        return None
+    c = MPICommunicator(sub, owned=True)
+    return World(launch=world.launch, mpi_comm=sub, host=c, comm=c, node=c, cross=c,
+                 device=torch.device("cpu"))
+
+
+def _idle_barrier(world) -> None:
+    req = world.mpi_comm.Ibarrier()  # a blocking barrier would spin and steal the cores
+    while not req.Test():
+        time.sleep(0.005)
+
+
+def _hpctrain(sub, schedule, p, m, v, layers, width, micro, steps, warmup):
+    from hpctrain.parallel.pipeline import PipelineOptions, wrap
+    from hpctrain.train.precision import Precision
+
+    stack = bench_stack(layers, width)
+    opts = PipelineOptions(mesh=f"pp={p},dp=1", schedule=schedule, microbatches=m,
+                           virtual_stages=v)
+    with contextlib.redirect_stdout(io.StringIO()):
+        par = wrap(stack, lambda ps: torch.optim.SGD(ps, lr=1e-4), sub, opts)
+    prec = Precision("fp32", torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(m * micro, width, generator=g), torch.randn(m * micro, width, generator=g)
+    bubbles, times = [], []
+    for step in range(warmup + steps):
+        par.engine.trace = []
+        sub.host.barrier()
+        t0 = time.perf_counter()
+        par.forward_backward([(x, y, 1.0)], F.mse_loss, prec)
+        busy = sum(e - s for *_, s, e in par.engine.trace)
+        span = sub.host.allreduce_scalars([par.engine.trace[-1][4] - t0], op="max")[0]
+        par.step()
+        dt = sub.host.allreduce_scalars([time.perf_counter() - t0], op="max")[0]
+        if step >= warmup:
+            bubbles.append(1 - busy / span)
+            times.append(dt)
+    per_stage = sub.host.allgather(torch.tensor([statistics.median(bubbles)], dtype=torch.float64))
+    return per_stage.tolist(), statistics.median(times)
+
+
+def _torch_pipelining(world, p, schedule, m, v, layers, width, micro, steps, warmup):
+    """Median step time of torch.distributed.pipelining on the same model (ranks < p)."""
+    import torch.distributed as dist
+    from torch.distributed import pipelining as tp
+
+    group = dist.new_group(list(range(p)))  # collective over the whole world
+    if world.rank >= p:
+        return None
+    stack = bench_stack(layers, width)
+    per = layers // (p * v)
+    stages = []
+    for c in range(v):
+        g = c * p + world.rank
+        mod = nn.Sequential(*[stack.layers[i].build()[str(i)] for i in range(g * per, (g + 1) * per)])
+        stages.append(tp.PipelineStage(mod, g, p * v, torch.device("cpu"), group=group))
+    loss = F.mse_loss
+    if schedule == "gpipe":
+        sch = tp.ScheduleGPipe(stages[0], m, loss_fn=loss)
+    elif schedule == "1f1b":
+        sch = tp.Schedule1F1B(stages[0], m, loss_fn=loss)
+    else:
+        sch = tp.ScheduleInterleaved1F1B(stages, m, loss_fn=loss)
+    opt = torch.optim.SGD([q for s in stages for q in s.submod.parameters()], lr=1e-4)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(m * micro, width, generator=g), torch.randn(m * micro, width, generator=g)
+    first = any(s.is_first for s in stages)
+    last = any(s.is_last for s in stages)
+    times = []
+    for step in range(warmup + steps):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        args = (x,) if first else ()
+        sch.step(*args, target=y if last else None)
+        opt.step()
+        opt.zero_grad()
+        dt = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)
+        if step >= warmup:
+            times.append(float(dt))
+    return statistics.median(times)
+
+
+def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"), v: int = 2,
+        layers: int = 16, width: int = 512, micro: int = 32, steps: int = 5, warmup: int = 2,
+        torch_compare: bool = True) -> int:
+    """Measure and print the bubble table (and throughput vs torch pipelining) on rank 0."""
+    from hpctrain.parallel.pipeline.schedule import bubble_formula
+    from hpctrain.runtime.world import init_world
+
+    world = init_world(device="cpu")
+    pp = [p for p in pp if p <= world.size]
+    if not pp:
+        raise SystemExit(f"bench pipeline: needs at least {min(pp or [2])} ranks; "
+                         f"run it under mpirun -n 4")
+    rows, torch_err = [], ""
+    if torch_compare:
+        try:
+            from hpctrain.bench.workload import _init_gloo
+
+            _init_gloo(world)
+        except Exception as exc:  # report why the comparison is missing, keep measuring ours
+            torch_err = f"{type(exc).__name__}: {exc}"
+    for p in pp:
+        sub = _sub_world(world, p)
+        for schedule in schedules:
+            vv = v if schedule == "interleaved-1f1b" else 1
+            for m in ms:
+                if (schedule == "interleaved-1f1b" and m % p) or layers % (p * vv):
+                    continue
+                res = None
+                if sub is not None:
+                    res = _hpctrain(sub, schedule, p, m, vv, layers, width, micro, steps, warmup)
+                _idle_barrier(world)
+                tt = None
+                if torch_compare and not torch_err:
+                    try:
+                        tt = _torch_pipelining(world, p, schedule, m, vv, layers, width, micro,
+                                               steps, warmup)
+                    except Exception as exc:
+                        torch_err = f"{type(exc).__name__}: {exc}"
+                _idle_barrier(world)
+                if world.rank == 0:
+                    rows.append((schedule, p, m, vv, res[0], bubble_formula(p, m, vv),
+                                 m * micro / res[1], None if tt is None else m * micro / tt))
+        if sub is not None:
+            sub.Free() if hasattr(sub, "Free") else None
+    if world.rank == 0:
+        print(f"pipeline bench: {world.size} ranks, cpu, {layers} x Linear({width})+GELU, "
+              f"micro-batch {micro}, median of {steps} steps after {warmup} warm-up, v={v}")
+        print(f"  {'schedule':<17}{'p':>2}{'m':>4}{'v':>3}  {'bubble per stage (measured)':<30}"
+              f"{'mean':>7}{'formula':>9}{'ratio':>7}{'samples/s':>11}{'torch':>9}{'ours/torch':>11}")
+        for sched_, p, m, vv, per, formula, ours, theirs in rows:
+            mean = sum(per) / len(per)
+            stages = " ".join(f"{b:.3f}" for b in per)
+            t = f"{theirs:9.0f}{ours / theirs:11.2f}" if theirs else f"{'-':>9}{'-':>11}"
+            print(f"  {sched_:<17}{p:>2}{m:>4}{vv:>3}  {stages:<30}{mean:7.3f}{formula:9.3f}"
+                  f"{mean / formula:7.2f}{ours:11.0f}{t}")
+        if torch_compare and torch_err:
+            print(f"torch.distributed.pipelining comparison did not run: {torch_err}")
+    return 0

@@ -1,0 +1,119 @@
+"""A model as an ordered list of layers, so a pipeline stage can build only its own layers.
+
+Each layer builds its modules under its OWN seed (derived from the model seed and the layer's
+index), so a layer's initial weights do not depend on which other layers a process builds:
+the whole model (single process) and any split of it (pipeline stages) start identical.
+Modules are mounted at the paths they have in the whole model, so parameter names, and with
+them checkpoints, are the same under every strategy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+__all__ = ["PipeLayer", "LayerStack", "layer_seed", "seeded", "mount", "from_sequential"]
+
+_MASK63 = (1 << 63) - 1
+
+
+def layer_seed(seed: int, index: int) -> int:
+    """The seed of layer ``index`` of a model seeded with ``seed`` (index -1: tied tensors)."""
+    return (int(seed) * 1_000_003 + 7919 * (index + 2)) & _MASK63
+
+
+def seeded(seed: int, index: int, build: Callable[[], object]):
+    """Call build() with torch's CPU RNG seeded for layer ``index``; the caller's RNG is kept."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(layer_seed(seed, index))
+        return build()
+
+
+@dataclass(frozen=True)
+class PipeLayer:
+    """One layer: ``build()`` -> {path in the whole model: module}; ``forward(root, x)`` runs
+    it, finding its modules under ``root`` by those paths."""
+
+    name: str
+    build: Callable[[], dict]
+    forward: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class LayerStack:
+    """A model described layer by layer, built lazily (nothing is materialised here).
+
+    ``tied`` maps a parameter path to the path of the parameter it shares storage with in the
+    whole model (e.g. ``{"head.weight": "tok_emb.weight"}``); the owner's name is canonical.
+    """
+
+    layers: list
+    tied: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def param_counts(self) -> list[int]:
+        """Parameters per layer, counted on the meta device (no memory, no init work)."""
+        counts = []
+        for layer in self.layers:
+            with torch.device("meta"):
+                mods = layer.build()
+            counts.append(sum(p.numel() for m in mods.values() for p in m.parameters()))
+        return counts
+
+    def build(self, indices) -> nn.Module:
+        """A root module holding the layers ``indices``, mounted at their whole-model paths.
+
+        Tied parameters whose owner is also built are shared as in the whole model; a tied
+        parameter built without its owner stays a separate copy with the same initial value.
+        """
+        root = nn.Module()
+        for i in indices:
+            for path, module in self.layers[i].build().items():
+                mount(root, path, module)
+        for alias, owner in self.tied.items():
+            if _has(root, alias) and _has(root, owner):
+                mod_path, _, pname = alias.rpartition(".")
+                setattr(root.get_submodule(mod_path), pname, root.get_parameter(owner))
+        return root
+
+
+def _has(root: nn.Module, path: str) -> bool:
+    try:
+        root.get_parameter(path)
+        return True
+    except AttributeError:
+        return False
+
+
+def mount(root: nn.Module, path: str, module: nn.Module) -> None:
+    """Register module at dotted ``path`` under root, creating ModuleDict containers."""
+    *parents, leaf = path.split(".")
+    node = root
+    for part in parents:
+        if part not in node._modules:
+            node.add_module(part, nn.ModuleDict())
+        node = node._modules[part]
+    if leaf in node._modules:
+        raise ValueError(f"two layers both build the module at {path!r}; each path belongs to "
+                         "exactly one layer")
+    node.add_module(leaf, module)
+
+
+def from_sequential(model: nn.Sequential) -> LayerStack:
+    """Layers of an already built nn.Sequential: one per child (the model was built whole)."""
+    if not isinstance(model, nn.Sequential):
+        raise TypeError(f"automatic pipeline splitting needs an nn.Sequential model (or a "
+                        f"built-in model), got {type(model).__name__}; fix: return an "
+                        f"nn.Sequential from the factory or set pipeline.split_points on one")
+    children = list(model.named_children())
+
+    def layer(name, module):
+        return PipeLayer(name, lambda: {name: module},
+                         lambda root, x: root.get_submodule(name)(x))
+
+    return LayerStack([layer(n, m) for n, m in children])

@@ -1,0 +1,303 @@
+"""The pipeline strategy: this rank's stage(s), the schedule, and gradient sync over dp."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hpctrain.parallel.base import OptimizerFactory, Parallelized
+from hpctrain.parallel.pipeline import plan, schedule as sched
+from hpctrain.parallel.pipeline.engine import Engine
+from hpctrain.parallel.pipeline.p2p import StageLinks
+
+__all__ = ["PipelineOptions", "Pipelined", "wrap", "resolve_layout"]
+
+
+@dataclass
+class PipelineOptions:
+    """Typed options of the pipeline strategy (from the [pipeline] config table)."""
+
+    mesh: str = ""                  # '' -> pp = world size
+    schedule: str = "1f1b"
+    microbatches: int = 4
+    virtual_stages: int = 2         # chunks per rank, interleaved-1f1b only
+    balance: str = "param-count"    # or "measured"
+    split_points: str = ""
+    activation_checkpointing: bool = False
+    sample: object = None           # one micro-batch input, for balance="measured"
+
+    @property
+    def chunks(self) -> int:
+        return self.virtual_stages if self.schedule == "interleaved-1f1b" else 1
+
+
+def resolve_layout(mesh: str, world_size: int):
+    """The mesh layout of a pipeline run: '' means every rank is a stage (pp = world size)."""
+    from hpctrain.runtime.mesh import MeshLayout
+
+    layout = MeshLayout.parse(mesh or f"pp={world_size},dp=1").resolve(world_size)
+    if layout.tp != 1 or layout.dom_size != 1:
+        raise ValueError(f"mesh {layout.describe()}: the pipeline strategy uses only pp and dp; "
+                         "set tp=1 and dom=1")
+    return layout
+
+
+class Pipelined(Parallelized):
+    """A rank's pipeline stage(s) with their optimizer; forward_backward runs the schedule."""
+
+    name = "pipeline"
+
+    def __init__(self, stack, root: nn.Module, owned: list[int], engine: Engine, actions,
+                 optimizer, pp, dp, tied_comm, tied_local: list, opts: PipelineOptions):
+        super().__init__(root, optimizer)
+        self.stack, self.owned, self.engine, self.actions = stack, owned, engine, actions
+        self.pp, self.dp, self.tied_comm, self.tied_local = pp, dp, tied_comm, tied_local
+        self.opts = opts
+        self.is_last = engine.rank == engine.p - 1
+        self._skeleton = None
+
+    # -- data: ranks of one pipeline share the data of their dp replica --
+    def data_shard(self, world) -> tuple[int, int]:
+        return self.dp.rank, self.dp.size
+
+    def forward_backward(self, micro_batches, loss_fn, precision) -> float:
+        """Cut each micro-batch into pipeline.microbatches pieces and run the schedule."""
+        m, local = self.opts.microbatches, 0.0
+        for x, y, weight in micro_batches:
+            n = x.shape[0]
+            if n % m:
+                raise ValueError(f"pipeline: a micro-batch of {n} samples does not split into "
+                                 f"pipeline.microbatches = {m} equal parts; make "
+                                 f"global_batch_size divisible by dp x grad_accum x {m}")
+            xs, ys = x.split(n // m), y.split(n // m)
+            micro = [(a, b, weight / m) for a, b in zip(xs, ys)]
+            local += self.engine.run(self.actions, micro, loss_fn, precision)
+        return local if self.is_last else 0.0
+
+    # -- gradients: tied copies summed between their stages, then summed over dp --
+    def _sync_grads(self) -> None:
+        if self.tied_comm is not None:
+            for p in self.tied_local:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                self.tied_comm.allreduce(p.grad)
+        if self.dp.size > 1:
+            params = list(self.model.parameters())
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            self.dp.allreduce(flat)  # weights already hold each replica's batch share: sum
+            off = 0
+            for p in params:
+                p.grad.copy_(flat[off:off + p.numel()].view_as(p))
+                off += p.numel()
+
+    def _canonical(self):
+        """Local parameters that are not a tied copy of a parameter owned elsewhere."""
+        return [(n, p) for n, p in self.model.named_parameters() if n not in self.stack.tied]
+
+    def _pp_sum(self, value: float) -> float:
+        return self.pp.allreduce_scalars([value])[0] if self.pp.size > 1 else value
+
+    def _grad_norm(self) -> float:
+        sq = sum(float(p.grad.detach().double().pow(2).sum()) for _, p in self._canonical()
+                 if p.grad is not None)
+        return math.sqrt(self._pp_sum(sq))
+
+    def param_norm(self) -> float:
+        with torch.no_grad():
+            sq = sum(float(p.detach().double().pow(2).sum()) for _, p in self._canonical())
+        return math.sqrt(self._pp_sum(sq))
+
+    def buffer_norm(self) -> float:
+        with torch.no_grad():
+            sq = sum(float(b.detach().double().pow(2).sum()) for b in self.model.buffers()
+                     if b.is_floating_point())
+        return math.sqrt(self._pp_sum(sq))
+
+    # -- checkpoints: every rank describes every tensor of the WHOLE model --
+    def _whole(self) -> nn.Module:
+        if self._skeleton is None:
+            with torch.device("meta"):
+                self._skeleton = self.stack.build(range(len(self.stack)))
+        return self._skeleton
+
+    def _my_span(self, n: int) -> tuple[int, int]:
+        return self.dp.rank * n // self.dp.size, (self.dp.rank + 1) * n // self.dp.size
+
+    def _entry(self, name, shape, dtype, tensor):
+        from hpctrain.checkpoint.layout import Entry, numel
+
+        if tensor is None:
+            return Entry(name, shape, dtype, None, elems=(0, 0))
+        lo, hi = self._my_span(numel(shape))
+        return Entry(name, shape, dtype, tensor.detach().reshape(-1)[lo:hi], elems=(lo, hi))
+
+    def _optim_descr(self) -> list:
+        """(param name, key, shape, dtype) of every optimizer tensor of the WHOLE model."""
+        mine = []
+        for name, p in self._canonical():
+            for k, v in sorted(self.optimizer.state.get(p, {}).items()):
+                if torch.is_tensor(v):
+                    mine.append([name, k, list(v.shape), str(v.dtype).replace("torch.", "")])
+        seen, merged = set(), {}
+        for per_rank in _allgather_json(self.pp, mine):
+            for name, k, shape, dtype in per_rank:
+                if (name, k) not in seen:
+                    seen.add((name, k))
+                    merged.setdefault(name, []).append((k, tuple(shape), getattr(torch, dtype)))
+        order = [n for n, _ in self._whole().named_parameters()]
+        return [(n, k, s, d) for n in order for k, s, d in sorted(merged.get(n, []))]
+
+    def state_entries(self) -> list:
+        local = dict(self.model.state_dict(keep_vars=True))
+        entries, seen = [], set()
+        for key, t in self._whole().state_dict(keep_vars=True).items():
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            entries.append(self._entry(f"model/{key}", tuple(t.shape), t.dtype, local.get(key)))
+        params = dict(self._canonical())
+        for name, k, shape, dtype in self._optim_descr():
+            p = params.get(name)
+            v = self.optimizer.state.get(p, {}).get(k) if p is not None else None
+            entries.append(self._entry(f"optim/{name}/{k}", shape, dtype, v))
+        return entries
+
+    def state_meta(self) -> dict:
+        whole = self._whole()
+        first, aliases = {}, {}
+        for key, t in whole.state_dict(keep_vars=True).items():
+            aliases.update({key: first[id(t)]} if id(t) in first else {})
+            first.setdefault(id(t), key)
+        names = [n for n, _ in whole.named_parameters()]
+        groups = [{**{k: v for k, v in g.items() if k != "params" and _jsonable(v)},
+                   "params": names} for g in self.optimizer.param_groups]
+        return {"model_aliases": aliases, "optim_class": self._optim_class(),
+                "optim_param_groups": groups}
+
+    def load_state_entries(self, reader) -> None:
+        """Load this rank's layers (tied copies from their owner's name) and their optimizer
+        state from a checkpoint written by any strategy at any depth."""
+        from hpctrain.checkpoint.layout import from_numpy
+
+        tied = self.stack.tied
+        with torch.no_grad():
+            for key, t in self.model.state_dict(keep_vars=True).items():
+                a = reader.read(f"model/{tied.get(key, key)}", tuple(t.shape))
+                if a is not None:
+                    t.copy_(from_numpy(a, t.dtype).reshape(t.shape))
+        saved = json.loads(reader.attrs.get("optim_class", '""'))
+        if saved != self._optim_class():
+            reader.fail(f"optimizer is {self._optim_class()} but the checkpoint holds {saved} "
+                        f"state; resume with --optimizer matching the checkpoint")
+            return
+        for name, p in self.model.named_parameters():
+            group = f"optim/{tied.get(name, name)}"
+            state = {}
+            for k in reader.keys(group):
+                a = reader.read(f"{group}/{k}")
+                if a is None:
+                    continue
+                dtype = getattr(torch, reader.dataset(f"{group}/{k}").attrs["torch_dtype"])
+                t = from_numpy(a, dtype)
+                state[k] = t.clone() if t.dim() == 0 else t.reshape(p.shape).to(p.device).clone()
+            if state:
+                self.optimizer.state[p] = state
+        self._load_param_groups(reader)
+
+
+def _jsonable(v) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str)) or (
+        isinstance(v, (tuple, list)) and all(isinstance(x, (int, float)) for x in v))
+
+
+def _allgather_json(comm, obj) -> list:
+    """Every rank's JSON-able obj, in rank order (collective over comm; tensors only)."""
+    data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8, device=comm.device)
+    if comm.size == 1:
+        return [obj]
+    n = torch.tensor([data.numel()], dtype=torch.int64, device=comm.device)
+    sizes = comm.allgather(n).tolist()
+    buf = torch.zeros(max(sizes), dtype=torch.uint8, device=comm.device)
+    buf[:data.numel()] = data
+    out = comm.allgather(buf).view(comm.size, -1).cpu()
+    return [json.loads(bytes(out[r, :sizes[r]].tolist()).decode()) for r in range(comm.size)]
+
+
+def _layer_costs(stack, opts: PipelineOptions, world) -> list[float]:
+    """Per-layer cost: parameter count, or forward+backward seconds measured on world rank 0
+    (one layer built at a time) and broadcast so every rank splits the same way."""
+    if opts.balance == "param-count":
+        return [float(c) for c in stack.param_counts()]
+    costs = torch.zeros(len(stack), dtype=torch.float64)
+    if world.rank == 0:
+        if opts.sample is None:
+            raise ValueError("pipeline.balance = 'measured' needs a sample micro-batch")
+        x = opts.sample
+        for i, layer in enumerate(stack.layers):
+            root = stack.build([i])
+            times = []
+            for _ in range(3):
+                inp = x.detach().requires_grad_(x.is_floating_point())
+                t0 = time.perf_counter()
+                out = layer.forward(root, inp)
+                out.float().sum().backward()
+                times.append(time.perf_counter() - t0)
+            costs[i] = sorted(times)[1]
+            x = out.detach()
+            del root
+    world.host.broadcast(costs, 0)
+    return costs.tolist()
+
+
+def wrap(stack, make_optimizer: OptimizerFactory, world, options: PipelineOptions | None = None):
+    """Build this rank's stage(s) of ``stack`` (a LayerStack) and the schedule (collective)."""
+    opts = options or PipelineOptions()
+    layout = resolve_layout(opts.mesh, world.size)
+    p, v = layout.pp, opts.chunks
+    plan.check_fits(len(stack), p, v, opts.schedule)       # pure: before any collective
+    actions_all = sched.build(opts.schedule, p, opts.microbatches, v)
+    names = [layer.name for layer in stack.layers]
+    if opts.split_points:
+        starts = plan.split_at(opts.split_points, names, p * v)
+    else:
+        starts = None
+    mesh = world.mesh(layout)
+    pp, dp = mesh.comm("pp"), mesh.comm("dp")
+    if starts is None:
+        starts = plan.balanced_split(_layer_costs(stack, opts, world), p * v)
+    groups = plan.stage_layers(starts, len(stack))
+    my_stages = [sched.stage_of(pp.rank, c, p) for c in range(v)]
+    owned = [i for g in my_stages for i in groups[g]]
+    root = stack.build(owned).to(world.device)
+    chunks = [[stack.layers[i] for i in groups[g]] for g in my_stages]
+    # Tied parameters split over stages: the owner's and the copy's ranks sum their grads.
+    tied_local, holders = [], set()
+    local_names = dict(root.named_parameters(remove_duplicate=False))
+    for alias, owner in stack.tied.items():
+        has_alias, has_owner = alias in local_names, owner in local_names
+        shared = has_alias and has_owner and local_names[alias] is local_names[owner]
+        if (has_alias or has_owner) and not shared:
+            tied_local.append(local_names[alias if has_alias else owner])
+    flags = torch.tensor([1 if tied_local else 0], dtype=torch.int64, device=pp.device)
+    holders = pp.allgather(flags).tolist() if pp.size > 1 else flags.tolist()
+    tied_comm = None
+    if any(holders):
+        sub = pp.split(0 if tied_local else None, key=pp.rank)
+        tied_comm = sub if tied_local else None
+    links = StageLinks(pp, p * v, world.device)
+    engine = Engine(root, chunks, links, pp.rank, p, opts.activation_checkpointing)
+    par = Pipelined(stack, root, owned, engine, actions_all[pp.rank],
+                    make_optimizer(root.parameters()), pp, dp, tied_comm, tied_local, opts)
+    if world.is_main:
+        split = " | ".join(f"{g}:{names[grp[0]]}..{names[grp[-1]]}" for g, grp in enumerate(groups))
+        print(f"hpctrain: pipeline pp={p} dp={dp.size} schedule={opts.schedule} "
+              f"microbatches={opts.microbatches} chunks/rank={v} stages {split}", flush=True)
+    return par
