@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 __all__ = [
-    "ConfigError", "TrainSection", "DDPSection", "ZeroSection", "RuntimeSection", "CheckpointSection", "Config",
+    "ConfigError", "TrainSection", "DDPSection", "ZeroSection", "DomainSection", "RuntimeSection", "CheckpointSection", "Config",
     "load_config", "parse_assignment", "STRATEGIES", "OPTIMIZERS", "PRECISIONS",
 ]
 
-STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3")
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "domain")
 OPTIMIZERS = ("sgd", "adamw")
 PRECISIONS = ("fp32", "bf16", "fp16")
 PROGRESS = ("auto", "on", "off")
@@ -80,6 +80,13 @@ class ZeroSection:
 
 
 @dataclass
+class DomainSection:
+    """[domain]: domain (spatial) parallel over the mesh's dom ranks."""
+
+    overlap: bool = _f(True, "compute the tile interior while halos are in flight")
+
+
+@dataclass
 class RuntimeSection:
     """[runtime]: the world, devices and the mesh."""
 
@@ -105,6 +112,7 @@ class Config:
     train: TrainSection = field(default_factory=TrainSection)
     ddp: DDPSection = field(default_factory=DDPSection)
     zero: ZeroSection = field(default_factory=ZeroSection)
+    domain: DomainSection = field(default_factory=DomainSection)
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
 
@@ -125,11 +133,12 @@ class Config:
                 f"{t.global_batch_size}: every micro-batch needs at least one sample; lower "
                 f"--grad-accum or raise --global-batch-size")
         per_micro = t.global_batch_size // t.grad_accum
-        if per_micro < world_size:
+        batch_ranks = self._batch_ranks(world_size)
+        if per_micro < batch_ranks:
             raise ConfigError(
                 f"train.global_batch_size = {t.global_batch_size} with grad_accum = {t.grad_accum} "
-                f"gives micro-batches of {per_micro} samples, fewer than the {world_size} ranks; "
-                f"use --global-batch-size >= {t.grad_accum * world_size}")
+                f"gives micro-batches of {per_micro} samples, fewer than the {batch_ranks} ranks "
+                f"that split the batch; use --global-batch-size >= {t.grad_accum * batch_ranks}")
         c = self.checkpoint
         if (c.every or c.resume == "auto") and not c.dir:
             raise ConfigError(
@@ -138,9 +147,25 @@ class Config:
         self._validate_mesh(world_size)
         return self
 
+    def _batch_ranks(self, world_size: int) -> int:
+        """Ranks that split each micro-batch: all of them, or the dp degree under domain."""
+        if self.train.strategy != "domain":
+            return world_size
+        from hpctrain.runtime.mesh import MeshLayout
+
+        try:
+            mesh = self.runtime.mesh
+            layout = MeshLayout.parse(mesh).resolve(world_size) if mesh else None
+        except ValueError:
+            return world_size  # _validate_mesh reports it
+        return 1 if layout is None else layout.dp
+
     def _validate_mesh(self, world_size: int) -> None:
         from hpctrain.runtime.mesh import MeshLayout
 
+        if self.train.strategy == "domain":
+            self._validate_domain_mesh(world_size)
+            return
         try:
             layout = MeshLayout.parse(self.runtime.mesh).resolve(world_size)
         except ValueError as exc:
@@ -150,6 +175,18 @@ class Config:
             raise ConfigError(
                 f"runtime.mesh = {self.runtime.mesh!r} uses {', '.join(used)} but strategy "
                 f"{self.train.strategy!r} only uses dp; drop those degrees or pick a strategy that uses them")
+
+    def _validate_domain_mesh(self, world_size: int) -> None:
+        from hpctrain.runtime.mesh import MeshLayout
+
+        mesh = self.runtime.mesh
+        try:
+            layout = MeshLayout.parse(mesh).resolve(world_size) if mesh else None
+        except ValueError as exc:
+            raise ConfigError(f"runtime.mesh = {mesh!r}: {exc}") from None
+        if layout is not None and (layout.pp > 1 or layout.tp > 1):
+            raise ConfigError(f"runtime.mesh = {mesh!r} uses pp/tp but strategy 'domain' uses dp "
+                              f"and dom only; e.g. --mesh dom=2x2 or --mesh dp=2,dom=2")
 
     def sections(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -36,4 +36,8 @@ def strategy_options(cfg: Config):
 
         return ZeroOptions(stage=int(s[-1]), grad_accum=cfg.train.grad_accum,
                            sync_batchnorm=cfg.zero.sync_batchnorm)
+    if s == "domain":
+        from hpctrain.parallel.domain.strategy import DomainOptions
+
+        return DomainOptions(mesh=cfg.runtime.mesh, overlap=cfg.domain.overlap)
     return None

@@ -8,7 +8,7 @@ import torch
 
 from hpctrain import checkpoint, parallel
 from hpctrain.config import Config
-from hpctrain.data.sampler import GlobalBatchSampler, collate
+from hpctrain.data.sampler import GlobalBatchSampler
 from hpctrain.models.registry import BuiltModel, build
 from hpctrain.train.activation_checkpointing import checkpoint_blocks
 from hpctrain.train.metrics import MetricsCSV, peak_rss_mb, write_summary
@@ -48,7 +48,7 @@ class Trainer:
         self.par = parallel.wrap(t.strategy, self.built.model, make_optimizer_factory(t), world,
                                  strategy_options(cfg))
         self.sampler = GlobalBatchSampler(len(self.built.dataset), t.global_batch_size, t.seed,
-                                          world.rank, world.size, t.grad_accum)
+                                          *self.par.data_shard(world), t.grad_accum)
         self.start_step, self.history = 0, []
         c = cfg.checkpoint
         resume = checkpoint.resolve_resume(c.resume, c.dir)
@@ -71,7 +71,7 @@ class Trainer:
             weight = len(indices) / t.global_batch_size
             if weight == 0:
                 continue
-            x, y = collate(b.dataset, indices)
+            x, y = self.par.load_batch(b.dataset, indices)
             yield (x.to(self.world.device, non_blocking=True),
                    y.to(self.world.device, non_blocking=True), weight)
 
