@@ -1,4 +1,4 @@
-"""`train --strategy domain --model unet` at dom=2, dom=4 and dp=2,dom=2 reproduces single
+"""`train --strategy domain --model unet` at 1 rank, dom=2, dom=4 and dp=2,dom=2 reproduces single
 (fp32, losses over 20 steps within rtol 1e-5); a domain checkpoint resumes at another
 decomposition and in single on the same trajectory."""
 
@@ -38,11 +38,12 @@ def _reference(tmp_path_factory):
     return _ref["single"]
 
 
-@pytest.mark.parametrize("world, mesh", [(2, "dom=2"), (4, "dom=4"), (4, "dom=2x2"), (4, "dp=2,dom=2")])
+@pytest.mark.parametrize("world, mesh", [(None, ""), (2, "dom=2"), (4, "dom=4"), (4, "dom=2x2"), (4, "dp=2,dom=2")])
 def test_domain_matches_single(tmp_path_factory, world, mesh):
     ref = _reference(tmp_path_factory)
-    got = _run(_ref["tmp"], f"dom-{mesh}", world, ["--strategy", "domain", "--mesh", mesh])
-    assert got["strategy"] == "domain" and got["world_size"] == world
+    got = _run(_ref["tmp"], f"dom-{mesh}", world,
+               ["--strategy", "domain"] + (["--mesh", mesh] if mesh else []))
+    assert got["strategy"] == "domain" and got["world_size"] == (world or 1)
     assert len(got["losses"]) == 20
     np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5, atol=0)
     np.testing.assert_allclose(got["param_norm"], ref["param_norm"], rtol=1e-5)
