@@ -13,7 +13,8 @@ __all__ = ["main", "build_parser"]
 
 # flag -> (section, key); the flags override the TOML file.
 TRAIN_FLAGS = {
-    "strategy": ("train", "strategy", str, "parallel strategy: single, ddp, zero1, zero2, zero3, pipeline"),
+    "strategy": ("train", "strategy", str,
+                 "parallel strategy: single, ddp, zero1, zero2, zero3, pipeline, domain"),
     "model": ("train", "model", str, "built-in model (mlp, gpt) or package.module:factory"),
     "steps": ("train", "steps", int, "optimizer steps"),
     "global_batch_size": ("train", "global_batch_size", int, "samples per step over all ranks"),
@@ -28,7 +29,7 @@ TRAIN_FLAGS = {
     "out_dir": ("train", "out_dir", str, "directory for metrics.csv"),
     "progress": ("train", "progress", str, "progress bar: auto, on, off"),
     "log_every": ("train", "log_every", int, "log every N steps without a progress bar"),
-    "mesh": ("runtime", "mesh", str, "mesh degrees, e.g. dp=2,pp=2"),
+    "mesh": ("runtime", "mesh", str, "mesh degrees, e.g. dp=2,pp=2 or dom=2x2"),
     "ranks_per_node": ("runtime", "ranks_per_node", int, "pretend N ranks per node"),
     "device": ("runtime", "device", str, "auto, cpu or cuda"),
     "checkpoint_dir": ("checkpoint", "dir", str, "write checkpoints to this directory"),
@@ -99,6 +100,16 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--steps", type=int, default=5, help="timed steps (median)")
     bp.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     bp.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
+    bh = bsub.add_parser("halo", help="halo exchange vs raw MPI Sendrecv; U-Net step time at "
+                         "N ranks vs 1 on the same grid, with and without overlap")
+    bh.add_argument("--size", type=int, default=512, help="exchange bench: global grid side")
+    bh.add_argument("--channels", type=int, default=32, help="exchange bench: channels")
+    bh.add_argument("--batch", type=int, default=2, help="samples")
+    bh.add_argument("--reps", type=int, default=50, help="exchange repetitions (median)")
+    bh.add_argument("--model-size", type=int, default=96, help="U-Net grid side (multiple of 4)")
+    bh.add_argument("--base", type=int, default=16, help="U-Net base channels")
+    bh.add_argument("--steps", type=int, default=5, help="timed U-Net steps (median)")
+    bh.add_argument("--warmup", type=int, default=2, help="untimed U-Net steps first")
     return p
 
 
@@ -194,6 +205,11 @@ def cmd_bench(args) -> int:
 
         return run_memory(args.params_m, args.steps, args.strategies,
                           mmap_threshold_kb=args.mmap_threshold_kb)
+    if args.bench_command == "halo":
+        from hpctrain.bench.halo import run as run_halo
+
+        return run_halo(args.size, args.channels, args.batch, args.reps, args.model_size,
+                        args.base, args.steps, args.warmup)
     if args.bench_command == "step":
         from hpctrain.bench.step import run as run_step
 

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 __all__ = [
-    "ConfigError", "TrainSection", "DDPSection", "ZeroSection", "PipelineSection", "RuntimeSection",
-    "CheckpointSection", "Config",
+    "ConfigError", "TrainSection", "DDPSection", "ZeroSection", "PipelineSection", "DomainSection",
+    "RuntimeSection", "CheckpointSection", "Config",
     "load_config", "parse_assignment", "STRATEGIES", "OPTIMIZERS", "PRECISIONS",
 ]
 
-STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "pipeline")
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "pipeline", "domain")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 PIPELINE_BALANCE = ("param-count", "measured")
 OPTIMIZERS = ("sgd", "adamw")
@@ -96,6 +96,13 @@ class PipelineSection:
 
 
 @dataclass
+class DomainSection:
+    """[domain]: domain (spatial) parallel over the mesh's dom ranks."""
+
+    overlap: bool = _f(True, "compute the tile interior while halos are in flight")
+
+
+@dataclass
 class RuntimeSection:
     """[runtime]: the world, devices and the mesh."""
 
@@ -122,6 +129,7 @@ class Config:
     ddp: DDPSection = field(default_factory=DDPSection)
     zero: ZeroSection = field(default_factory=ZeroSection)
     pipeline: PipelineSection = field(default_factory=PipelineSection)
+    domain: DomainSection = field(default_factory=DomainSection)
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
 
@@ -142,13 +150,14 @@ class Config:
                 f"{t.global_batch_size}: every micro-batch needs at least one sample; lower "
                 f"--grad-accum or raise --global-batch-size")
         per_micro = t.global_batch_size // t.grad_accum
+        batch_ranks = self._batch_ranks(world_size)
         if t.strategy == "pipeline":
             self._validate_pipeline(world_size)
-        elif per_micro < world_size:
+        elif per_micro < batch_ranks:
             raise ConfigError(
                 f"train.global_batch_size = {t.global_batch_size} with grad_accum = {t.grad_accum} "
-                f"gives micro-batches of {per_micro} samples, fewer than the {world_size} ranks; "
-                f"use --global-batch-size >= {t.grad_accum * world_size}")
+                f"gives micro-batches of {per_micro} samples, fewer than the {batch_ranks} ranks "
+                f"that split the batch; use --global-batch-size >= {t.grad_accum * batch_ranks}")
         c = self.checkpoint
         if (c.every or c.resume == "auto") and not c.dir:
             raise ConfigError(
@@ -157,9 +166,25 @@ class Config:
         self._validate_mesh(world_size)
         return self
 
+    def _batch_ranks(self, world_size: int) -> int:
+        """Ranks that split each micro-batch: all of them, or the dp degree under domain."""
+        if self.train.strategy != "domain":
+            return world_size
+        from hpctrain.runtime.mesh import MeshLayout
+
+        try:
+            mesh = self.runtime.mesh
+            layout = MeshLayout.parse(mesh).resolve(world_size) if mesh else None
+        except ValueError:
+            return world_size  # _validate_mesh reports it
+        return 1 if layout is None else layout.dp
+
     def _validate_mesh(self, world_size: int) -> None:
         from hpctrain.runtime.mesh import MeshLayout
 
+        if self.train.strategy == "domain":
+            self._validate_domain_mesh(world_size)
+            return
         try:
             layout = MeshLayout.parse(self.runtime.mesh).resolve(world_size)
         except ValueError as exc:
@@ -203,6 +228,17 @@ class Config:
         if t.precision == "fp16":
             raise ConfigError("train.precision = 'fp16' is not supported with strategy "
                               "'pipeline' (stages would need to agree on skipped steps); use bf16")
+    def _validate_domain_mesh(self, world_size: int) -> None:
+        from hpctrain.runtime.mesh import MeshLayout
+
+        mesh = self.runtime.mesh
+        try:
+            layout = MeshLayout.parse(mesh).resolve(world_size) if mesh else None
+        except ValueError as exc:
+            raise ConfigError(f"runtime.mesh = {mesh!r}: {exc}") from None
+        if layout is not None and (layout.pp > 1 or layout.tp > 1):
+            raise ConfigError(f"runtime.mesh = {mesh!r} uses pp/tp but strategy 'domain' uses dp "
+                              f"and dom only; e.g. --mesh dom=2x2 or --mesh dp=2,dom=2")
 
     def sections(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -9,17 +9,19 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from . import gpt, mlp
+from . import gpt, mlp, unet
 
 __all__ = ["BuiltModel", "BUILTIN", "build", "build_layers", "describe", "detect_unit"]
 
-_FACTORIES = {"gpt": gpt.factory, "mlp": mlp.factory}
 _PIPELINES = {"gpt": gpt.pipeline, "mlp": mlp.pipeline}  # layer lists: no weights built
+_FACTORIES = {"gpt": gpt.factory, "mlp": mlp.factory, "unet": unet.factory}
 _DESCRIPTIONS = {
     "gpt": "tiny GPT decoder (tied embeddings, causal SDPA) on Markov-chain tokens; "
            "defaults " + ", ".join(f"{k}={v}" for k, v in gpt.DEFAULTS.items()),
     "mlp": "Linear+GELU classifier with LayerNorm on teacher-labelled Gaussian inputs; "
            "defaults " + ", ".join(f"{k}={v}" for k, v in mlp.DEFAULTS.items()),
+    "unet": "small 2D U-Net on reaction-diffusion fields (HDF5, read by tiles under domain); "
+            "defaults " + ", ".join(f"{k}={v}" for k, v in unet.DEFAULTS.items()),
 }
 BUILTIN = tuple(sorted(_FACTORIES))
 

@@ -21,6 +21,7 @@ STRATEGY_MODULES = {
     "zero3": "hpctrain.parallel.zero",
     # wrap() takes a LayerStack (models.registry.build_layers), not a built model.
     "pipeline": "hpctrain.parallel.pipeline",
+    "domain": "hpctrain.parallel.domain.strategy",
 }
 
 

@@ -54,6 +54,12 @@ class Parallelized:
             local += float(loss.detach()) * weight
         return local
 
+    def load_batch(self, dataset, indices):
+        """Collate this rank's samples (domain parallel reads only its tile of each)."""
+        from hpctrain.data.sampler import collate
+
+        return collate(dataset, indices)
+
     def _sync_grads(self) -> None:
         """Make every gradient the global one (no-op for one process)."""
 

@@ -44,4 +44,8 @@ def strategy_options(cfg: Config):
                                microbatches=pl.microbatches, virtual_stages=pl.virtual_stages,
                                balance=pl.balance, split_points=pl.split_points,
                                activation_checkpointing=cfg.train.activation_checkpointing)
+    if s == "domain":
+        from hpctrain.parallel.domain.strategy import DomainOptions
+
+        return DomainOptions(mesh=cfg.runtime.mesh, overlap=cfg.domain.overlap)
     return None

@@ -91,7 +91,7 @@ class Trainer:
             weight = len(indices) / t.global_batch_size
             if weight == 0:
                 continue
-            x, y = collate(b.dataset, indices)
+            x, y = self.par.load_batch(b.dataset, indices)
             yield (x.to(self.world.device, non_blocking=True),
                    y.to(self.world.device, non_blocking=True), weight)
 

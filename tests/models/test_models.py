@@ -170,7 +170,7 @@ def test_awkward_fixture_corner_cases():
 
 
 def test_describe_and_builtin_names():
-    assert set(BUILTIN) == {"mlp", "gpt"}
+    assert set(BUILTIN) == {"mlp", "gpt", "unet"}
     lines = describe().splitlines()
     assert len(lines) == len(BUILTIN)
     assert all(line.startswith(f"{name}:") for line, name in zip(lines, sorted(BUILTIN)))

@@ -1,0 +1,215 @@
+"""Halo exchange over a Cartesian grid of ranks, as an autograd Function with its adjoint.
+
+Forward fills a rank's WINDOW (its tile plus halo, or any box of the global grid) from the
+owners, with non-blocking sends and receives; corners and edges come for free because a
+window is cut into boxes that are products of per-dimension runs (decomposition.py).
+Backward is the exact adjoint: the gradient of every received box goes back to its owner,
+which ADDS it into its tile gradient (DistDL's halo exchange as a linear operator).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from hpctrain.parallel.domain.decomposition import (coords_rank, rank_coords, split_bounds,
+                                                    window_pieces)
+from hpctrain.runtime.comm import Communicator
+
+__all__ = ["DomainGrid", "HaloPlan", "PendingHalo", "halo_exchange", "halo_finish", "make_plan",
+           "start_halo"]
+
+_BACKWARD_TAG = 16384  # adjoint messages use tag + this, so they never match forward ones
+
+
+class DomainGrid:
+    """The domain group seen as a Cartesian grid of ranks over the spatial dims.
+
+    Tiles are the balanced split of the global grid. A layer learns the GLOBAL shape of its
+    input from the local one by an allgather over the group; inside ``begin(key)`` ...
+    ``end`` (a forward pass the strategy keys by the model's global input shape) the answers
+    are cached per call, so every rank makes the same collectives in the same order and the
+    steady state has none.
+    """
+
+    def __init__(self, comm: Communicator, shape: tuple[int, ...]):
+        shape = tuple(int(v) for v in shape)
+        if math.prod(shape) != comm.size:
+            raise ValueError(f"a domain grid of shape {'x'.join(map(str, shape))} needs "
+                             f"{math.prod(shape)} ranks but the domain group has {comm.size}")
+        self.comm = comm
+        self.shape = shape
+        self.ndim = len(shape)
+        self.coords = rank_coords(comm.rank, shape)
+        self._key = None
+        self._ordinal = 0
+        self._cache: dict = {}
+
+    def begin(self, key) -> None:
+        """Start a forward pass whose layer shapes depend only on ``key`` (same on all ranks)."""
+        self._key, self._ordinal = key, 0
+
+    def end(self) -> None:
+        self._key = None
+
+    def bounds(self, global_shape: tuple[int, ...]) -> list[list[tuple[int, int]]]:
+        """Per spatial dim, the [start, stop) of every grid coordinate."""
+        return [split_bounds(n, p) for n, p in zip(global_shape, self.shape)]
+
+    def tile(self, global_shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """This rank's tile [lo, hi) of a global grid."""
+        b = self.bounds(global_shape)
+        return (tuple(b[d][c][0] for d, c in enumerate(self.coords)),
+                tuple(b[d][c][1] for d, c in enumerate(self.coords)))
+
+    def global_shape(self, local: tuple[int, ...]) -> tuple[int, ...]:
+        """Global spatial shape of a tensor whose local tile has shape ``local`` (collective)."""
+        local = tuple(int(v) for v in local)
+        if self.comm.size == 1:
+            return local
+        key = None if self._key is None else (self._key, self._ordinal)
+        self._ordinal += 1
+        if key in self._cache:
+            mine, glob = self._cache[key]
+            if mine != local:
+                raise RuntimeError(f"domain layer call {key[1]} saw a local tile {local} where "
+                                   f"the same forward pass saw {mine} before; the model's shapes "
+                                   "must depend only on its input shape")
+            return glob
+        sizes = self.comm.allgather(torch.tensor(local, dtype=torch.int64)).view(self.comm.size, -1)
+        glob = []
+        for d in range(self.ndim):
+            line = [int(sizes[coords_rank(self.coords[:d] + (c,) + self.coords[d + 1:], self.shape), d])
+                    for c in range(self.shape[d])]
+            n = sum(line)
+            if [b - a for a, b in split_bounds(n, self.shape[d])] != line:
+                raise ValueError(f"spatial dim {d}: tiles {line} along the rank grid are not the "
+                                 f"balanced split of {n} points; domain tensors must be split "
+                                 "with DomainGrid.tile()")
+            glob.append(n)
+        glob = tuple(glob)
+        if key is not None:
+            self._cache[key] = (local, glob)
+        return glob
+
+
+@dataclass
+class HaloPlan:
+    """What this rank copies, fills, receives and sends to build its window."""
+
+    window_shape: tuple[int, ...]
+    local: list = field(default_factory=list)   # (src slices, dst slices)
+    fills: list = field(default_factory=list)   # dst slices
+    recv: list = field(default_factory=list)    # (peer, tag, dst slices)
+    send: list = field(default_factory=list)    # (peer, tag, src slices)
+    fill: float = 0.0
+
+    @property
+    def communicates(self) -> bool:
+        return bool(self.recv or self.send)
+
+
+def make_plan(grid: DomainGrid, global_shape: tuple[int, ...], boxes: list, periodic: tuple[bool, ...],
+              fill: float = 0.0) -> HaloPlan:
+    """Plan the exchange that gives every rank q the global box ``boxes[q] = (lo, hi)``."""
+    bounds = grid.bounds(global_shape)
+    me = grid.comm.rank
+    lo, hi = boxes[me]
+    plan = HaloPlan(tuple(b - a for a, b in zip(lo, hi)), fill=fill)
+    for tag, p in enumerate(window_pieces(lo, hi, bounds, grid.shape, periodic)):
+        if p.owner is None:
+            plan.fills.append(p.dst)
+        elif p.owner == me:
+            plan.local.append((p.src, p.dst))
+        else:
+            plan.recv.append((p.owner, tag, p.dst))
+    for q, (qlo, qhi) in enumerate(boxes):
+        if q == me:
+            continue
+        for tag, p in enumerate(window_pieces(qlo, qhi, bounds, grid.shape, periodic)):
+            if p.owner == me:
+                plan.send.append((q, tag, p.src))
+    return plan
+
+
+def _ix(slices) -> tuple:
+    return (Ellipsis,) + tuple(slices)
+
+
+class PendingHalo:
+    """An exchange in flight: receives and sends posted, local copies done; ``finish()`` waits."""
+
+    def __init__(self, x: torch.Tensor, plan: HaloPlan, comm: Communicator):
+        x = x.detach()
+        lead = tuple(x.shape[:x.dim() - len(plan.window_shape)])
+        self.plan, self.comm = plan, comm
+        self.window = torch.empty(lead + plan.window_shape, dtype=x.dtype, device=x.device)
+        self._recvs, self._sends = [], []
+        for peer, tag, dst in plan.recv:
+            buf = torch.empty(lead + tuple(s.stop - s.start for s in dst), dtype=x.dtype, device=x.device)
+            self._recvs.append((comm.irecv(buf, peer, tag), buf, dst))
+        for peer, tag, src in plan.send:
+            buf = x[_ix(src)].contiguous()  # kept alive until the send completes
+            self._sends.append((comm.isend(buf, peer, tag), buf))
+        for src, dst in plan.local:
+            self.window[_ix(dst)] = x[_ix(src)]
+        for dst in plan.fills:
+            self.window[_ix(dst)] = plan.fill
+
+    def finish(self) -> torch.Tensor:
+        """Wait for the halos and return the filled window."""
+        for req, buf, dst in self._recvs:
+            req.wait()
+            self.window[_ix(dst)] = buf
+        for req, _ in self._sends:
+            req.wait()
+        self._recvs, self._sends = [], []
+        return self.window
+
+
+class _HaloFinish(torch.autograd.Function):
+    """window = H x; backward: x_grad = H* window_grad (send back, add into the owner)."""
+
+    @staticmethod
+    def forward(ctx, x, pending):
+        ctx.plan, ctx.comm, ctx.shape = pending.plan, pending.comm, tuple(x.shape)
+        return pending.finish()
+
+    @staticmethod
+    def backward(ctx, g):
+        plan, comm = ctx.plan, ctx.comm
+        g = g.contiguous()
+        gx = torch.zeros(ctx.shape, dtype=g.dtype, device=g.device)
+        lead = ctx.shape[:len(ctx.shape) - len(plan.window_shape)]
+        recvs, sends = [], []
+        for peer, tag, src in plan.send:
+            buf = torch.empty(lead + tuple(s.stop - s.start for s in src), dtype=g.dtype, device=g.device)
+            recvs.append((comm.irecv(buf, peer, tag + _BACKWARD_TAG), buf, src))
+        for peer, tag, dst in plan.recv:
+            buf = g[_ix(dst)].contiguous()
+            sends.append((comm.isend(buf, peer, tag + _BACKWARD_TAG), buf))
+        for src, dst in plan.local:
+            gx[_ix(src)] += g[_ix(dst)]
+        for req, buf, src in recvs:
+            req.wait()
+            gx[_ix(src)] += buf
+        for req, _ in sends:
+            req.wait()
+        return gx, None
+
+
+def start_halo(x: torch.Tensor, plan: HaloPlan, comm: Communicator) -> PendingHalo:
+    """Post the exchange of ``plan`` for x (point to point over comm); finish with halo_finish."""
+    return PendingHalo(x, plan, comm)
+
+
+def halo_finish(x: torch.Tensor, pending: PendingHalo) -> torch.Tensor:
+    """Wait for a started exchange and return the window, differentiably in x."""
+    return _HaloFinish.apply(x, pending)
+
+
+def halo_exchange(x: torch.Tensor, plan: HaloPlan, comm: Communicator) -> torch.Tensor:
+    """Return this rank's window of the global tensor tiled as x (collective over the plan's peers)."""
+    return halo_finish(x, start_halo(x, plan, comm))

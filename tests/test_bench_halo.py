@@ -1,0 +1,18 @@
+"""`bench halo` runs end to end at 2 ranks on a tiny grid and prints its ratios."""
+
+import re
+
+from tests.mpirun import run_mpi
+
+
+def test_bench_halo_prints_ratios():
+    proc = run_mpi(2, ["-m", "hpctrain", "bench", "halo", "--size", "64", "--channels", "4",
+                       "--reps", "3", "--model-size", "16", "--base", "4", "--steps", "1",
+                       "--warmup", "1"], timeout=240)
+    out = proc.stdout
+    assert "halo bench: 2 ranks" in out, out
+    for label in ("raw mpi4py Sendrecv", "halo exchange (messages)", "1 rank, full grid",
+                  "2 ranks, overlap", "2 ranks, no overlap", "overlap gain:"):
+        assert label in out, out
+    ratios = [float(r) for r in re.findall(r"ratio (\d+\.\d+)x", out)]
+    assert len(ratios) == 4 and all(r > 0 for r in ratios), out
