@@ -35,6 +35,8 @@ TRAIN_FLAGS = {
     "checkpoint_every": ("checkpoint", "every", int, "checkpoint every N steps"),
     "keep": ("checkpoint", "keep", int, "keep the newest K checkpoints (0: all)"),
     "resume": ("checkpoint", "resume", str, "auto (newest in --checkpoint-dir) or a ckpt file"),
+    "requeue": ("checkpoint", "requeue", str, "after a pre-emption checkpoint: auto (scontrol "
+                "requeue under SLURM) or off"),
     "fusion_threshold_mb": ("ddp", "fusion_threshold_mb", float, "Horovod tensor fusion MB"),
 }
 BOOL_FLAGS = {
@@ -146,8 +148,12 @@ def cmd_train(args) -> int:
         return _fail(rank, f"train.model = {cfg.train.model!r}: {exc}")
     from hpctrain.checkpoint import CheckpointError
 
+    from hpctrain.train.preemption import PREEMPT_EXIT_CODE, Preempted
+
     try:
         Trainer(cfg, built=built).fit()
+    except Preempted:
+        return PREEMPT_EXIT_CODE  # checkpoint written; rerun (or the requeued job) resumes
     except (CheckpointError, FileNotFoundError) as exc:
         # Every rank agreed on the error before raising; each says so (no hang, no traceback).
         print(f"hpctrain: error: rank {rank}: {exc}", file=sys.stderr, flush=True)
