@@ -89,7 +89,37 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--batch", type=int, default=32, help="samples per rank")
     bs.add_argument("--strategies", type=_strategy_list, default="zero3,fsdp2,ddp",
                     help="comma-separated")
+    _add_jobgen_parser(sub)
     return p
+
+
+def _add_jobgen_parser(sub) -> None:
+    from hpctrain.jobgen import JobSpec
+
+    d = JobSpec()
+    j = sub.add_parser("jobgen", help="write a SLURM or PBS job script (the templates of jobs/)")
+    j.add_argument("--scheduler", choices=("slurm", "pbs"), default=d.scheduler)
+    j.add_argument("--nodes", type=int, default=d.nodes)
+    j.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node,
+                   help="GPUs per node, one rank each (0: a CPU job)")
+    j.add_argument("--ranks-per-node", type=int, default=d.ranks_per_node, help="CPU jobs")
+    j.add_argument("--cpus-per-task", type=int, default=d.cpus_per_task,
+                   help="cores per rank (default 1 on CPU, 8 per GPU rank)")
+    j.add_argument("--time", default=d.time, help="HH:MM:SS or D-HH:MM:SS")
+    j.add_argument("--partition", "--queue", dest="partition", default=d.partition,
+                   help="SLURM partition / PBS queue (default: a commented SITE line)")
+    j.add_argument("--account", default=d.account, help="allocation to charge")
+    j.add_argument("--preemptible", action="store_true",
+                   help="requeue on a signal: --requeue --signal=USR1@90 / -r y, checkpoints")
+    j.add_argument("--job-name", default=d.job_name)
+    j.add_argument("--strategy", default=d.strategy)
+    j.add_argument("--model", default=d.model)
+    j.add_argument("--steps", type=int, default=d.steps)
+    j.add_argument("--checkpoint-dir", default=d.checkpoint_dir)
+    j.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
+    j.add_argument("-o", "--output", default="", help="write here (default: stdout)")
+    j.add_argument("--presets", metavar="DIR", default="",
+                   help="write every script of the repository's jobs/ into DIR and exit")
 
 
 def _strategy_list(text: str) -> tuple:
@@ -184,6 +214,30 @@ def cmd_bench(args) -> int:
     return run(args.mb, args.dir)
 
 
+def cmd_jobgen(args) -> int:
+    from hpctrain.jobgen import JobSpec, render, write_presets
+
+    if args.presets:
+        for path in write_presets(args.presets):
+            print(path)
+        return 0
+    names = [f for f in JobSpec.__dataclass_fields__]
+    spec = JobSpec(**{n: getattr(args, n) for n in names})
+    try:
+        text = render(spec, args.output)
+    except ValueError as exc:
+        print(f"hpctrain jobgen: error: {exc}", file=sys.stderr)
+        return 2
+    if not args.output:
+        sys.stdout.write(text)
+        return 0
+    with open(args.output, "w") as fh:
+        fh.write(text)
+    os.chmod(args.output, 0o755)
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
 def cmd_doctor(args) -> int:
     from hpctrain.doctor import run_doctor
 
@@ -203,4 +257,6 @@ def main(argv=None) -> int:
         return cmd_ckpt(args)
     if args.command == "bench":
         return cmd_bench(args)
+    if args.command == "jobgen":
+        return cmd_jobgen(args)
     raise RuntimeError(f"unhandled command {args.command}")  # argparse rejects unknown ones
