@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 
 __all__ = ["SlurmCluster", "missing_binaries", "BINARIES"]
@@ -93,7 +94,10 @@ class SlurmCluster:
         self.root = os.path.abspath(root)
         self.host = socket.gethostname().split(".")[0]
         self.conf = os.path.join(self.root, "slurm.conf")
-        self.munge_socket = os.path.join(self.root, "munge", "munge.socket.2")
+        # munged runs as the munge user, which must reach its directory: pytest's temp dirs
+        # are private (0700), so munge gets its own short-pathed directory in /tmp.
+        self.munge_dir = tempfile.mkdtemp(prefix="hpctrain-munge-")
+        self.munge_socket = os.path.join(self.munge_dir, "munge.socket.2")
         self.procs: dict[str, subprocess.Popen] = {}
         self.env = dict(os.environ, SLURM_CONF=self.conf)
 
@@ -127,6 +131,7 @@ class SlurmCluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
+        shutil.rmtree(self.munge_dir, ignore_errors=True)
 
     def __enter__(self):
         return self.start()
@@ -189,7 +194,7 @@ class SlurmCluster:
     # ---- internals ---------------------------------------------------------------------
 
     def _write_config(self) -> None:
-        for d in ("state", "spool", "log"):
+        for d in ("state", os.path.join("spool", self.host), "log"):
             os.makedirs(os.path.join(self.root, d), exist_ok=True)
         for i, dev in enumerate(FAKE_GPU_DEVICES):
             link = os.path.join(self.root, f"fakegpu{i}")
@@ -204,9 +209,7 @@ class SlurmCluster:
 
     def _start_munge(self) -> None:
         # munged refuses root and checks that its key and socket directory belong to it.
-        mdir = os.path.join(self.root, "munge")
-        os.makedirs(mdir, exist_ok=True)
-        os.chmod(self.root, 0o755)
+        mdir = self.munge_dir
         pw = pwd.getpwnam("munge")
         key = os.path.join(mdir, "munge.key")
         with open(key, "wb") as fh:
@@ -222,7 +225,7 @@ class SlurmCluster:
         self._wait(lambda: os.path.exists(self.munge_socket), 20, "munged's socket")
 
     def _spawn(self, name: str, cmd, **kw) -> None:
-        log = open(os.path.join(self.root, "log" if name != "munged" else "munge",
+        log = open(os.path.join(self.munge_dir if name == "munged" else os.path.join(self.root, "log"),
                                 f"{name}.stdout"), "w")
         self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                             env=self.env, start_new_session=True, **kw)
@@ -251,7 +254,7 @@ class SlurmCluster:
         raise RuntimeError(f"timed out after {timeout}s waiting for {what}\n{self.logs()}")
 
     def _daemon_output(self, name: str) -> str:
-        path = os.path.join(self.root, "log" if name != "munged" else "munge", f"{name}.stdout")
+        path = os.path.join(self.munge_dir if name == "munged" else os.path.join(self.root, "log"), f"{name}.stdout")
         try:
             with open(path, errors="replace") as fh:
                 return fh.read()[-3000:]
