@@ -42,7 +42,7 @@ def test_srun_matches_mpirun(slurm, reference, tmp_path):
     # The one start line, from rank 0 only.
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("hpctrain: launcher=")]
     assert lines == ["hpctrain: launcher=slurm ranks=4 nodes=1 ranks/node=4 device=cpu "
-                     "comm=mpi strategy=ddp"], proc.stdout
+                     "comm=mpi mesh=dp=4 strategy=ddp"], proc.stdout
     got = _summary(out)
     assert got["world_size"] == 4
     _assert_losses(got, reference)
