@@ -33,6 +33,8 @@ def slurm(tmp_path_factory):
     if missing:
         pytest.skip(f"SLURM/munge not installed ({', '.join(missing)} missing); "
                     "`make setup` as root installs slurm-wlm and munge")
+    if os.geteuid() != 0:
+        pytest.skip("the test cluster needs root (munged runs as the munge user, slurmd as root)")
     if not os.path.exists(os.path.join(VENV, "bin", "activate")):
         pytest.skip(f"tests must run from a virtualenv (job scripts activate it); {VENV} is not one")
     cluster = SlurmCluster(str(tmp_path_factory.mktemp("slurm")))
