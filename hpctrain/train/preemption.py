@@ -23,7 +23,8 @@ import sys
 import threading
 from typing import Mapping
 
-__all__ = ["PREEMPT_EXIT_CODE", "PREEMPT_SIGNALS", "Preempted", "Preemption", "requeue_command"]
+__all__ = ["PREEMPT_EXIT_CODE", "PREEMPT_SIGNALS", "Preempted", "Preemption",
+           "requeue_command"]
 
 PREEMPT_EXIT_CODE = 75
 PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
@@ -95,16 +96,22 @@ class Preemption:
             self.received = int(agreed)
         return agreed > 0
 
-    def finish(self, step: int, path: str, is_main: bool) -> None:
-        """After the checkpoint: requeue (rank 0, SLURM batch job) and raise Preempted."""
+    def finish(self, step: int, path: str, comm) -> None:
+        """After the checkpoint: rank 0 requeues (SLURM job); every rank raises Preempted.
+
+        Collective over comm's ranks: the others wait at a barrier until the requeue is
+        done, so no rank exits early (with KillOnBadExit an early exit 75 would make srun
+        kill rank 0 before it could requeue).
+        """
         name = signal.Signals(self.received).name if self.received else "signal"
         requeued = False
         cmd = requeue_command(self.env) if self.requeue == "auto" else None
-        if is_main:
+        if comm.rank == 0:
             print(f"hpctrain: {name} received; stopped after step {step}, checkpoint {path}",
                   flush=True)
             if cmd is not None:
                 requeued = _run_requeue(cmd)
+        comm.barrier()
         raise Preempted(step, path, name, requeued)
 
 

@@ -116,7 +116,8 @@ class Trainer:
                 if preempt is not None and step + 1 < t.steps and preempt.should_stop(world.host):
                     path = self.save(step + 1, losses) if saved != step + 1 else \
                         checkpoint.latest(ck.dir)
-                    preempt.finish(step + 1, path, main)  # requeues (SLURM) and raises Preempted
+                    # rank 0 requeues the SLURM job; every rank raises Preempted (exit 75)
+                    preempt.finish(step + 1, path, world.host)
             if ck.dir and saved != t.steps and self.start_step < t.steps:
                 self.save(t.steps, losses)
         finally:

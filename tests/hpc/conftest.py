@@ -36,7 +36,8 @@ def slurm(tmp_path_factory):
     if os.geteuid() != 0:
         pytest.skip("the test cluster needs root (munged runs as the munge user, slurmd as root)")
     if not os.path.exists(os.path.join(VENV, "bin", "activate")):
-        pytest.skip(f"tests must run from a virtualenv (job scripts activate it); {VENV} is not one")
+        pytest.skip(f"tests must run from a virtualenv (job scripts activate it); "
+                    f"{VENV} is not one")
     cluster = SlurmCluster(str(tmp_path_factory.mktemp("slurm")))
     cluster.env = job_env(SLURM_CONF=cluster.conf)
     cluster.start()

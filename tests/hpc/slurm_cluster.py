@@ -225,8 +225,7 @@ class SlurmCluster:
         self._wait(lambda: os.path.exists(self.munge_socket), 20, "munged's socket")
 
     def _spawn(self, name: str, cmd, **kw) -> None:
-        log = open(os.path.join(self.munge_dir if name == "munged" else os.path.join(self.root, "log"),
-                                f"{name}.stdout"), "w")
+        log = open(self._stdout_path(name), "w")
         self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                             env=self.env, start_new_session=True, **kw)
         log.close()
@@ -253,8 +252,12 @@ class SlurmCluster:
             time.sleep(0.3)
         raise RuntimeError(f"timed out after {timeout}s waiting for {what}\n{self.logs()}")
 
+    def _stdout_path(self, name: str) -> str:
+        where = self.munge_dir if name == "munged" else os.path.join(self.root, "log")
+        return os.path.join(where, f"{name}.stdout")
+
     def _daemon_output(self, name: str) -> str:
-        path = os.path.join(self.munge_dir if name == "munged" else os.path.join(self.root, "log"), f"{name}.stdout")
+        path = self._stdout_path(name)
         try:
             with open(path, errors="replace") as fh:
                 return fh.read()[-3000:]

@@ -115,7 +115,10 @@ proc prereq {args} { puts "PREREQ [join $args]" }
 proc conflict {args} { puts "CONFLICT [join $args]" }
 proc is-loaded {m} { global loaded; expr {[lsearch $loaded $m] >= 0} }
 proc module {cmd args} { global loaded; puts "MODULE $cmd [join $args]"; lappend loaded {*}$args }
-proc module-info {what args} { if {$what eq "mode"} { return [expr {[lindex $args 0] eq "load"}] }; return "" }
+proc module-info {what args} {
+    if {$what eq "mode"} { return [expr {[lindex $args 0] eq "load"}] }
+    return ""
+}
 source $ModulesCurrentModulefile
 if {[info procs ModulesHelp] ne ""} { ModulesHelp }
 """

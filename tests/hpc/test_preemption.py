@@ -19,8 +19,14 @@ from tests.mpirun import mpi_env
 class OneRank:
     """A 1-rank communicator: max over one rank is the value itself."""
 
+    rank, size = 0, 1
+
     def __init__(self):
         self.calls = 0
+        self.barriers = 0
+
+    def barrier(self):
+        self.barriers += 1
 
     def allreduce_scalars(self, values, op="sum"):
         assert op == "max"
@@ -76,7 +82,7 @@ def test_finish_requeues_under_slurm(tmp_path, monkeypatch, capsys, rc):
     p = Preemption(env={"SLURM_JOB_ID": "77"})
     p.received = signal.SIGUSR1
     with pytest.raises(Preempted) as info:
-        p.finish(12, "ck/ckpt-000012.h5", is_main=True)
+        p.finish(12, "ck/ckpt-000012.h5", OneRank())
     assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "77"]
     assert info.value.requeued is (rc == 0) and info.value.step == 12
     out = capsys.readouterr()
@@ -90,7 +96,7 @@ def test_finish_without_slurm_or_with_requeue_off(tmp_path, monkeypatch):
     for p in (Preemption(env={}), Preemption(requeue="off", env={"SLURM_JOB_ID": "5"})):
         p.received = signal.SIGTERM
         with pytest.raises(Preempted) as info:
-            p.finish(3, "x.h5", is_main=True)
+            p.finish(3, "x.h5", OneRank())
         assert not info.value.requeued and "rerun with --resume auto" in str(info.value)
     assert not (tmp_path / "scontrol.args").exists()
 
@@ -143,7 +149,8 @@ def _rank_pid(session_id, rank):
             if os.getsid(int(entry)) != session_id:
                 continue
             with open(f"/proc/{entry}/environ", "rb") as fh:
-                environ = dict(kv.split(b"=", 1) for kv in fh.read().split(b"\0") if b"=" in kv)
+                pairs = [kv.split(b"=", 1) for kv in fh.read().split(b"\0") if b"=" in kv]
+            environ = dict(pairs)
         except (OSError, ProcessLookupError):
             continue
         if environ.get(b"OMPI_COMM_WORLD_RANK") == rank.encode():

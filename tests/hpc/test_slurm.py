@@ -101,16 +101,17 @@ def _wait_steps(slurm, job, csv_path, n, timeout=180):
 
 
 def _start_requeued(slurm, job, timeout=120):
-    """SLURM holds a requeued job ~120 s (BeginTime); start it now to keep the test short."""
+    """SLURM holds a requeued job ~120 s (BeginTime); start it now to keep the test short.
+
+    Restarts counts up when the requeue is requested, while the first run is still ending
+    (RUNNING, COMPLETING...): only PENDING means the requeued job is waiting.
+    """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if slurm.job_field(job, "Restarts") not in ("", "0"):
-            state = slurm.job_state(job)
-            if state == "PENDING":
-                slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
-                return
-            if state == "RUNNING":
-                return
+        if slurm.job_field(job, "Restarts") not in ("", "0") and \
+                slurm.job_state(job) == "PENDING":
+            slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+            return
         time.sleep(0.2)
     raise AssertionError(f"job {job} was not requeued in {timeout}s\n{slurm.logs()}")
 
