@@ -177,7 +177,6 @@ def cmd_train(args) -> int:
     except (ValueError, TypeError, ImportError) as exc:
         return _fail(rank, f"train.model = {cfg.train.model!r}: {exc}")
     from hpctrain.checkpoint import CheckpointError
-
     from hpctrain.train.preemption import PREEMPT_EXIT_CODE, Preempted
 
     try:
@@ -215,14 +214,15 @@ def cmd_bench(args) -> int:
 
 
 def cmd_jobgen(args) -> int:
+    import dataclasses
+
     from hpctrain.jobgen import JobSpec, render, write_presets
 
     if args.presets:
         for path in write_presets(args.presets):
             print(path)
         return 0
-    names = [f for f in JobSpec.__dataclass_fields__]
-    spec = JobSpec(**{n: getattr(args, n) for n in names})
+    spec = JobSpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(JobSpec)})
     try:
         text = render(spec, args.output)
     except ValueError as exc:
