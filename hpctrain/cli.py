@@ -36,6 +36,8 @@ TRAIN_FLAGS = {
     "checkpoint_every": ("checkpoint", "every", int, "checkpoint every N steps"),
     "keep": ("checkpoint", "keep", int, "keep the newest K checkpoints (0: all)"),
     "resume": ("checkpoint", "resume", str, "auto (newest in --checkpoint-dir) or a ckpt file"),
+    "requeue": ("checkpoint", "requeue", str, "after a pre-emption checkpoint: auto (scontrol "
+                "requeue under SLURM) or off"),
     "fusion_threshold_mb": ("ddp", "fusion_threshold_mb", float, "Horovod tensor fusion MB"),
 }
 BOOL_FLAGS = {
@@ -110,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     bh.add_argument("--base", type=int, default=16, help="U-Net base channels")
     bh.add_argument("--steps", type=int, default=5, help="timed U-Net steps (median)")
     bh.add_argument("--warmup", type=int, default=2, help="untimed U-Net steps first")
+    _add_jobgen_parser(sub)
     return p
 
 
@@ -118,6 +121,35 @@ def _int_list(text: str) -> tuple:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers") from None
+
+
+def _add_jobgen_parser(sub) -> None:
+    from hpctrain.jobgen import JobSpec
+
+    d = JobSpec()
+    j = sub.add_parser("jobgen", help="write a SLURM or PBS job script (the templates of jobs/)")
+    j.add_argument("--scheduler", choices=("slurm", "pbs"), default=d.scheduler)
+    j.add_argument("--nodes", type=int, default=d.nodes)
+    j.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node,
+                   help="GPUs per node, one rank each (0: a CPU job)")
+    j.add_argument("--ranks-per-node", type=int, default=d.ranks_per_node, help="CPU jobs")
+    j.add_argument("--cpus-per-task", type=int, default=d.cpus_per_task,
+                   help="cores per rank (default 1 on CPU, 8 per GPU rank)")
+    j.add_argument("--time", default=d.time, help="HH:MM:SS or D-HH:MM:SS")
+    j.add_argument("--partition", "--queue", dest="partition", default=d.partition,
+                   help="SLURM partition / PBS queue (default: a commented SITE line)")
+    j.add_argument("--account", default=d.account, help="allocation to charge")
+    j.add_argument("--preemptible", action="store_true",
+                   help="requeue on a signal: --requeue --signal=USR1@90 / -r y, checkpoints")
+    j.add_argument("--job-name", default=d.job_name)
+    j.add_argument("--strategy", default=d.strategy)
+    j.add_argument("--model", default=d.model)
+    j.add_argument("--steps", type=int, default=d.steps)
+    j.add_argument("--checkpoint-dir", default=d.checkpoint_dir)
+    j.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
+    j.add_argument("-o", "--output", default="", help="write here (default: stdout)")
+    j.add_argument("--presets", metavar="DIR", default="",
+                   help="write every script of the repository's jobs/ into DIR and exit")
 
 
 def _strategy_list(text: str) -> tuple:
@@ -181,9 +213,12 @@ def cmd_train(args) -> int:
     except (ValueError, TypeError, ImportError) as exc:
         return _fail(rank, f"train.model = {cfg.train.model!r}: {exc}")
     from hpctrain.checkpoint import CheckpointError
+    from hpctrain.train.preemption import PREEMPT_EXIT_CODE, Preempted
 
     try:
         Trainer(cfg, built=built).fit()
+    except Preempted:
+        return PREEMPT_EXIT_CODE  # checkpoint written; rerun (or the requeued job) resumes
     except (CheckpointError, FileNotFoundError) as exc:
         # Every rank agreed on the error before raising; each says so (no hang, no traceback).
         print(f"hpctrain: error: rank {rank}: {exc}", file=sys.stderr, flush=True)
@@ -225,6 +260,31 @@ def cmd_bench(args) -> int:
     return run(args.mb, args.dir)
 
 
+def cmd_jobgen(args) -> int:
+    import dataclasses
+
+    from hpctrain.jobgen import JobSpec, render, write_presets
+
+    if args.presets:
+        for path in write_presets(args.presets):
+            print(path)
+        return 0
+    spec = JobSpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(JobSpec)})
+    try:
+        text = render(spec, args.output)
+    except ValueError as exc:
+        print(f"hpctrain jobgen: error: {exc}", file=sys.stderr)
+        return 2
+    if not args.output:
+        sys.stdout.write(text)
+        return 0
+    with open(args.output, "w") as fh:
+        fh.write(text)
+    os.chmod(args.output, 0o755)
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
 def cmd_doctor(args) -> int:
     from hpctrain.doctor import run_doctor
 
@@ -244,4 +304,6 @@ def main(argv=None) -> int:
         return cmd_ckpt(args)
     if args.command == "bench":
         return cmd_bench(args)
+    if args.command == "jobgen":
+        return cmd_jobgen(args)
     raise RuntimeError(f"unhandled command {args.command}")  # argparse rejects unknown ones

@@ -119,6 +119,8 @@ class CheckpointSection:
     every: int = _f(0, "save every N steps (0: only at the end)", min=0)
     keep: int = _f(3, "keep the newest K checkpoints (0: keep all)", min=0)
     resume: str = _f("", "resume: '' (no), 'auto' (newest in dir, if any) or a ckpt file")
+    requeue: str = _f("auto", "on SIGUSR1/SIGTERM checkpoint, then 'auto': scontrol requeue "
+                      "the SLURM batch job; 'off': only exit with code 75", choices=("auto", "off"))
 
 
 @dataclass

@@ -18,6 +18,9 @@
 #   MPICC               MPI C compiler wrapper              (default: mpicc on PATH)
 #   HDF5_DIR            prefix of the MPI-enabled HDF5      (default: Debian's openmpi flavour)
 #   HOROVOD_GPU_OPERATIONS=NCCL   on GPU sites (set it with the CUDA module loaded)
+#   HPCTRAIN_MODULEFILES  write an Lmod modulefile for this install into DIR/hpctrain/
+#                         (HPCTRAIN_TCL_MODULEFILES: a Tcl one too; HPCTRAIN_MPI_MODULE,
+#                         HPCTRAIN_HDF5_MODULE, HPCTRAIN_CUDA_MODULE: what it depends on)
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -29,6 +32,9 @@ TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 HOROVOD_VERSION=0.28.1
 H5PY_VERSION=3.16.0
 OS_PACKAGES=(openmpi-bin libopenmpi-dev libhdf5-openmpi-dev hdf5-tools g++ make cmake pkg-config)
+# The HPC integration tests start a real one-node SLURM and load the modulefiles with Lmod
+# (Lmod also reads the Tcl modulefile; Environment Modules conflicts with it in Debian).
+OS_PACKAGES+=(slurm-wlm munge lmod tcl)
 JOBS=$(nproc 2>/dev/null || echo 2)
 
 log() { printf '[install] %s\n' "$*" >&2; }
@@ -158,4 +164,8 @@ mkdir -p "$WHEELS"
 install_h5py
 install_horovod
 install_hpctrain
+if [ -n "${HPCTRAIN_MODULEFILES:-}" ]; then
+    bash "$REPO/modules/write-modulefile.sh" "$VENV" "$HPCTRAIN_MODULEFILES" \
+        "${HPCTRAIN_MPI_MODULE-openmpi}" "${HPCTRAIN_HDF5_MODULE-hdf5}" "${HPCTRAIN_CUDA_MODULE-}" >&2
+fi
 log "done: $VENV (activate with: source $VENV/bin/activate)"

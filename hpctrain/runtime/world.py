@@ -73,8 +73,7 @@ class World:
         parts = [f"launcher={self.launch.launcher}", f"ranks={self.size}", f"nodes={self.num_nodes}",
                  f"ranks/node={self.local_size}", f"device={self.device.type}",
                  f"comm={self.comm.backend}"]
-        if mesh:
-            parts.append(f"mesh={mesh}")
+        parts.append(f"mesh={mesh or f'dp={self.size}'}")  # no mesh: every rank data parallel
         if strategy:
             parts.append(f"strategy={strategy}")
         return "hpctrain: " + " ".join(parts)

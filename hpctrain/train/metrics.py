@@ -28,6 +28,7 @@ class MetricsCSV:
     def write(self, **row) -> None:
         if self._fh is not None:
             self._writer.writerow([row[k] for k in self.FIELDS])
+            self._fh.flush()  # rows are visible while the job runs (tail -f, monitors)
 
     def close(self) -> None:
         if self._fh is not None:

@@ -13,6 +13,7 @@ from hpctrain.models.registry import BuiltModel, build, build_layers
 from hpctrain.train.activation_checkpointing import checkpoint_blocks
 from hpctrain.train.metrics import MetricsCSV, peak_rss_mb, write_summary
 from hpctrain.train.precision import Precision
+from hpctrain.train.preemption import Preemption
 from hpctrain.train.progress import Progress
 from hpctrain.train.strategy import make_optimizer_factory, strategy_options
 
@@ -115,6 +116,8 @@ class Trainer:
         saved = self.start_step
         self.par.model.train()
         start = time.perf_counter()
+        # A signal means checkpoint-and-stop only when there is somewhere to checkpoint to.
+        preempt = Preemption(ck.requeue).install() if ck.dir else None
         try:
             for step in range(self.start_step, t.steps):
                 t0 = time.perf_counter()
@@ -130,9 +133,16 @@ class Trainer:
                 if ck.dir and ck.every and (step + 1) % ck.every == 0:
                     self.save(step + 1, losses)
                     saved = step + 1
+                if preempt is not None and step + 1 < t.steps and preempt.should_stop(world.host):
+                    path = self.save(step + 1, losses) if saved != step + 1 else \
+                        checkpoint.latest(ck.dir)
+                    # rank 0 requeues the SLURM job; every rank raises Preempted (exit 75)
+                    preempt.finish(step + 1, path, world.host)
             if ck.dir and saved != t.steps and self.start_step < t.steps:
                 self.save(t.steps, losses)
         finally:
+            if preempt is not None:
+                preempt.restore()
             progress.close()
             csv.close()
         elapsed = time.perf_counter() - start

@@ -1,0 +1,133 @@
+"""Pre-emption: a signal sets a flag, all ranks agree at a step boundary, checkpoint, go.
+
+Schedulers warn a job before they stop it: SLURM sends ``--signal=USR1@90`` ahead of the
+time limit and SIGTERM at it (then SIGKILL after KillWait); PBS sends SIGTERM on ``qdel``
+and pre-emption. The signal reaches ranks at different moments (or only some of them), so
+a rank never acts on its own flag: at every step boundary the ranks take the max of their
+flags (one scalar all-reduce) and all stop after the same step. The trainer then writes a
+checkpoint and calls ``finish()``, which under a SLURM batch job runs
+``scontrol requeue $SLURM_JOB_ID`` (the job starts again later and ``--resume auto`` picks
+up the checkpoint) and raises ``Preempted``; ``python -m hpctrain`` turns that into exit
+code ``PREEMPT_EXIT_CODE`` on every rank.
+
+Exit code 75 (EX_TEMPFAIL, "temporary failure, try again") means: a checkpoint of the
+last completed step is on disk; run the same command with ``--resume auto`` to continue.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from typing import Mapping
+
+__all__ = ["PREEMPT_EXIT_CODE", "PREEMPT_SIGNALS", "Preempted", "Preemption",
+           "requeue_command"]
+
+PREEMPT_EXIT_CODE = 75
+PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+class Preempted(Exception):
+    """Training stopped early on a signal after checkpointing ``step`` to ``path``."""
+
+    def __init__(self, step: int, path: str, signal_name: str, requeued: bool):
+        self.step, self.path, self.signal_name, self.requeued = step, path, signal_name, requeued
+        what = "job requeued" if requeued else "rerun with --resume auto to continue"
+        super().__init__(f"pre-empted by {signal_name}: checkpoint of step {step} in {path}; {what}")
+
+
+def requeue_command(env: Mapping[str, str]) -> list[str] | None:
+    """The command that requeues this job, or None when not in a SLURM batch job."""
+    job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+    return ["scontrol", "requeue", job] if job else None
+
+
+class Preemption:
+    """Signal flag + the per-step agreement. Use as a context manager around the loop.
+
+    Handlers are installed only from the main thread (Python's rule); elsewhere the flag
+    simply never rises. A second SIGTERM while already stopping restores the default action
+    and re-delivers it, so a user who insists still stops a hung job.
+    """
+
+    def __init__(self, requeue: str = "auto", signals=PREEMPT_SIGNALS,
+                 env: Mapping[str, str] | None = None):
+        self.requeue = requeue
+        self.signals = tuple(signals)
+        self.env = os.environ if env is None else env
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> "Preemption":
+        """Install the signal handlers (main thread only) and return self."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def restore(self) -> None:
+        """Put back the handlers that were there before install()."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def __enter__(self) -> "Preemption":
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.received == signum == signal.SIGTERM:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if self.received is None:
+            self.received = signum
+
+    def should_stop(self, comm) -> bool:
+        """True on every rank once any rank got a signal (collective over comm's ranks)."""
+        flag = 0.0 if self.received is None else float(self.received)
+        agreed = comm.allreduce_scalars([flag], op="max")[0]
+        if agreed and self.received is None:
+            self.received = int(agreed)
+        return agreed > 0
+
+    def finish(self, step: int, path: str, comm) -> None:
+        """After the checkpoint: rank 0 requeues (SLURM job); every rank raises Preempted.
+
+        Collective over comm's ranks: the others wait at a barrier until the requeue is
+        done, so no rank exits early (with KillOnBadExit an early exit 75 would make srun
+        kill rank 0 before it could requeue).
+        """
+        name = signal.Signals(self.received).name if self.received else "signal"
+        requeued = False
+        cmd = requeue_command(self.env) if self.requeue == "auto" else None
+        if comm.rank == 0:
+            print(f"hpctrain: {name} received; stopped after step {step}, checkpoint {path}",
+                  flush=True)
+            if cmd is not None:
+                requeued = _run_requeue(cmd)
+        comm.barrier()
+        raise Preempted(step, path, name, requeued)
+
+
+def _run_requeue(cmd: list[str]) -> bool:
+    """Run scontrol requeue; print why not when it fails (e.g. a job without --requeue)."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        print(f"hpctrain: {' '.join(cmd)} failed ({exc}); resubmit with --resume auto",
+              file=sys.stderr, flush=True)
+        return False
+    if proc.returncode != 0:
+        print(f"hpctrain: {' '.join(cmd)} failed: {proc.stderr.strip() or proc.returncode}; "
+              f"submit the job with --requeue, or resubmit it with --resume auto",
+              file=sys.stderr, flush=True)
+        return False
+    print(f"hpctrain: {' '.join(cmd)}: job requeued; it continues from the checkpoint",
+          flush=True)
+    return True

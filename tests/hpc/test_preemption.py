@@ -1,0 +1,158 @@
+"""Pre-emption: the signal flag, the all-rank agreement, requeue, exit code 75."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from hpctrain.train.preemption import (PREEMPT_EXIT_CODE, Preempted, Preemption,
+                                       requeue_command)
+from tests.mpirun import mpi_env
+
+
+class OneRank:
+    """A 1-rank communicator: max over one rank is the value itself."""
+
+    rank, size = 0, 1
+
+    def __init__(self):
+        self.calls = 0
+        self.barriers = 0
+
+    def barrier(self):
+        self.barriers += 1
+
+    def allreduce_scalars(self, values, op="sum"):
+        assert op == "max"
+        self.calls += 1
+        return list(values)
+
+
+def test_signal_sets_flag_and_restore_puts_handler_back():
+    before = signal.getsignal(signal.SIGUSR1)
+    comm = OneRank()
+    with Preemption(requeue="off") as p:
+        assert not p.should_stop(comm)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert p.received == signal.SIGUSR1
+        assert p.should_stop(comm)
+    assert signal.getsignal(signal.SIGUSR1) is before
+    assert comm.calls == 2  # one collective per step boundary
+
+
+def test_second_sigterm_kills():
+    # Already stopping on SIGTERM, a second SIGTERM takes the default action (a hung job dies).
+    code = ("import os, signal, time\n"
+            "from hpctrain.train.preemption import Preemption\n"
+            "p = Preemption().install()\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "print('survived first', flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "time.sleep(5)\nprint('survived second')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=mpi_env())
+    assert "survived first" in proc.stdout and "survived second" not in proc.stdout
+    assert proc.returncode == -signal.SIGTERM
+
+
+def test_requeue_command():
+    assert requeue_command({"SLURM_JOB_ID": "123"}) == ["scontrol", "requeue", "123"]
+    assert requeue_command({"PBS_JOBID": "9.srv"}) is None
+
+
+def _fake_scontrol(tmp_path, rc):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(
+        f"#!/bin/sh\necho \"$@\" > {tmp_path}/scontrol.args\n"
+        f"[ {rc} = 0 ] || echo 'Requested operation is presently disabled' >&2\nexit {rc}\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    return bin_dir
+
+
+@pytest.mark.parametrize("rc", [0, 1])
+def test_finish_requeues_under_slurm(tmp_path, monkeypatch, capsys, rc):
+    monkeypatch.setenv("PATH", f"{_fake_scontrol(tmp_path, rc)}{os.pathsep}{os.environ['PATH']}")
+    p = Preemption(env={"SLURM_JOB_ID": "77"})
+    p.received = signal.SIGUSR1
+    with pytest.raises(Preempted) as info:
+        p.finish(12, "ck/ckpt-000012.h5", OneRank())
+    assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "77"]
+    assert info.value.requeued is (rc == 0) and info.value.step == 12
+    out = capsys.readouterr()
+    assert "SIGUSR1 received; stopped after step 12" in out.out
+    if rc:
+        assert "submit the job with --requeue" in out.err
+
+
+def test_finish_without_slurm_or_with_requeue_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", f"{_fake_scontrol(tmp_path, 0)}{os.pathsep}{os.environ['PATH']}")
+    for p in (Preemption(env={}), Preemption(requeue="off", env={"SLURM_JOB_ID": "5"})):
+        p.received = signal.SIGTERM
+        with pytest.raises(Preempted) as info:
+            p.finish(3, "x.h5", OneRank())
+        assert not info.value.requeued and "rerun with --resume auto" in str(info.value)
+    assert not (tmp_path / "scontrol.args").exists()
+
+
+@pytest.mark.mpi
+def test_one_signalled_rank_stops_all_at_the_same_step(reference, tmp_path):
+    """Only rank 1 gets SIGUSR1: both ranks stop after the same step, checkpoint, exit 75."""
+    args = ["mpirun", "-n", "2", "--oversubscribe", "--bind-to", "none", sys.executable, "-m", "hpctrain", "train", "--strategy",
+            "ddp", "--model", "tests.fixtures.slow:factory", "--steps", "20", "--progress", "off",
+            "--checkpoint-dir", str(tmp_path / "ck"), "--resume", "auto", "--summary",
+            str(tmp_path / "s.json"), "--out-dir", str(tmp_path / "out"), "--requeue", "off"]
+    env = mpi_env({"SLOW_STEP_S": "0.2"})
+    proc = subprocess.Popen(args, env=env, cwd=str(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        metrics = tmp_path / "out" / "metrics.csv"
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 4:
+                break
+            time.sleep(0.2)
+        rank1 = _rank_pid(proc.pid, "1")
+        os.kill(rank1, signal.SIGUSR1)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == PREEMPT_EXIT_CODE, out
+    m = re.search(r"SIGUSR1 received; stopped after step (\d+)", out)
+    assert m, out
+    stopped = int(m.group(1))
+    assert 3 <= stopped < 20
+    assert sorted(os.listdir(tmp_path / "ck")) == ["ckpt-%06d.h5" % stopped, "latest"]
+    again = subprocess.run(args, env=env, cwd=str(tmp_path), capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"at step {stopped}" in again.stdout
+    got = json.loads((tmp_path / "s.json").read_text())
+    # 2 ranks against the 4-rank reference: DDP's rank-count tolerance.
+    np.testing.assert_allclose(got["losses"], reference["losses"], rtol=1e-5, atol=0)
+
+
+def _rank_pid(session_id, rank):
+    """PID of the hpctrain rank `rank` among the processes of session `session_id`."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getsid(int(entry)) != session_id:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as fh:
+                pairs = [kv.split(b"=", 1) for kv in fh.read().split(b"\0") if b"=" in kv]
+            environ = dict(pairs)
+        except (OSError, ProcessLookupError):
+            continue
+        if environ.get(b"OMPI_COMM_WORLD_RANK") == rank.encode():
+            return int(entry)
+    raise AssertionError(f"no rank {rank} in session {session_id}")
