@@ -5,10 +5,12 @@ pipeline``. For each pipeline depth p the first p ranks form the pipeline (the r
 without spinning). The model is ``layers`` identical Linear+GELU layers, so a balanced
 split gives every stage the same work and the formula applies as written.
 
-Measured bubble of a stage = 1 - (its compute time) / (step span), where compute is the sum
-of its forward/backward intervals (from timestamps, receives excluded) and the span runs
-from a common barrier to the end of the last compute of any stage. Formula:
-(p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1).
+Measured bubble of a stage = (its idle time) / (step span): idle is the time it is blocked
+waiting for a neighbour (timestamps around every blocking receive) plus the time from its
+last compute to the end of the step; the span runs from a common barrier to the end of the
+last compute of any stage. Formula: (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1). The table
+also shows the overhead: the rest of the span that is neither compute (forward/backward
+intervals) nor waiting -- Python and p2p bookkeeping that the formula counts as zero.
 """
 
 from __future__ import annotations
@@ -69,21 +71,28 @@ def _hpctrain(sub, schedule, p, m, v, layers, width, micro, steps, warmup):
     prec = Precision("fp32", torch.device("cpu"))
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(m * micro, width, generator=g), torch.randn(m * micro, width, generator=g)
-    bubbles, times = [], []
+    links = par.engine.links
+    bubbles, overheads, times = [], [], []
     for step in range(warmup + steps):
         par.engine.trace = []
+        links.recv_wait = 0.0
         sub.host.barrier()
         t0 = time.perf_counter()
         par.forward_backward([(x, y, 1.0)], F.mse_loss, prec)
         busy = sum(e - s for *_, s, e in par.engine.trace)
-        span = sub.host.allreduce_scalars([par.engine.trace[-1][4] - t0], op="max")[0]
+        end = par.engine.trace[-1][4] - t0
+        span = sub.host.allreduce_scalars([end], op="max")[0]
+        idle = links.recv_wait + (span - end)
         par.step()
         dt = sub.host.allreduce_scalars([time.perf_counter() - t0], op="max")[0]
         if step >= warmup:
-            bubbles.append(1 - busy / span)
+            bubbles.append(idle / span)
+            overheads.append(max(0.0, 1 - (busy + idle) / span))
             times.append(dt)
-    per_stage = sub.host.allgather(torch.tensor([statistics.median(bubbles)], dtype=torch.float64))
-    return per_stage.tolist(), statistics.median(times)
+    mine = torch.tensor([statistics.median(bubbles), statistics.median(overheads)],
+                        dtype=torch.float64)
+    per_stage = sub.host.allgather(mine.view(1, 2))
+    return per_stage[:, 0].tolist(), statistics.median(times), per_stage[:, 1].tolist()
 
 
 def _torch_pipelining(world, p, schedule, m, v, layers, width, micro, steps, warmup):
@@ -169,20 +178,22 @@ def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"
                 _idle_barrier(world)
                 if world.rank == 0:
                     rows.append((schedule, p, m, vv, res[0], bubble_formula(p, m, vv),
-                                 m * micro / res[1], None if tt is None else m * micro / tt))
+                                 m * micro / res[1], None if tt is None else m * micro / tt,
+                                 sum(res[2]) / len(res[2])))
         if sub is not None:
             sub.Free() if hasattr(sub, "Free") else None
     if world.rank == 0:
         print(f"pipeline bench: {world.size} ranks, cpu, {layers} x Linear({width})+GELU, "
               f"micro-batch {micro}, median of {steps} steps after {warmup} warm-up, v={v}")
         print(f"  {'schedule':<17}{'p':>2}{'m':>4}{'v':>3}  {'bubble per stage (measured)':<30}"
-              f"{'mean':>7}{'formula':>9}{'ratio':>7}{'samples/s':>11}{'torch':>9}{'ours/torch':>11}")
-        for sched_, p, m, vv, per, formula, ours, theirs in rows:
+              f"{'mean':>7}{'formula':>9}{'ratio':>7}{'overhead':>9}{'samples/s':>11}{'torch':>9}"
+              f"{'ours/torch':>11}")
+        for sched_, p, m, vv, per, formula, ours, theirs, over in rows:
             mean = sum(per) / len(per)
             stages = " ".join(f"{b:.3f}" for b in per)
             t = f"{theirs:9.0f}{ours / theirs:11.2f}" if theirs else f"{'-':>9}{'-':>11}"
             print(f"  {sched_:<17}{p:>2}{m:>4}{vv:>3}  {stages:<30}{mean:7.3f}{formula:9.3f}"
-                  f"{mean / formula:7.2f}{ours:11.0f}{t}")
+                  f"{mean / formula:7.2f}{over:9.3f}{ours:11.0f}{t}")
         if torch_compare and torch_err:
             print(f"torch.distributed.pipelining comparison did not run: {torch_err}")
     return 0
