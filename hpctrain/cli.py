@@ -13,7 +13,7 @@ __all__ = ["main", "build_parser"]
 
 # flag -> (section, key); the flags override the TOML file.
 TRAIN_FLAGS = {
-    "strategy": ("train", "strategy", str, "parallel strategy: single, ddp, zero1, zero2, zero3"),
+    "strategy": ("train", "strategy", str, "parallel strategy: single, ddp, zero1, zero2, zero3, fsdp"),
     "model": ("train", "model", str, "built-in model (mlp, gpt) or package.module:factory"),
     "steps": ("train", "steps", int, "optimizer steps"),
     "global_batch_size": ("train", "global_batch_size", int, "samples per step over all ranks"),
@@ -36,6 +36,9 @@ TRAIN_FLAGS = {
     "keep": ("checkpoint", "keep", int, "keep the newest K checkpoints (0: all)"),
     "resume": ("checkpoint", "resume", str, "auto (newest in --checkpoint-dir) or a ckpt file"),
     "fusion_threshold_mb": ("ddp", "fusion_threshold_mb", float, "Horovod tensor fusion MB"),
+    "sharding_strategy": ("fsdp", "sharding_strategy", str,
+                          "fsdp: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD"),
+    "auto_wrap_policy": ("fsdp", "auto_wrap_policy", str, "fsdp units: blocks, class, size, none"),
 }
 BOOL_FLAGS = {
     "activation_checkpointing": ("train", "activation_checkpointing", "recompute activations"),

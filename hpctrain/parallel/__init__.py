@@ -19,6 +19,7 @@ STRATEGY_MODULES = {
     "zero1": "hpctrain.parallel.zero",
     "zero2": "hpctrain.parallel.zero",
     "zero3": "hpctrain.parallel.zero",
+    "fsdp": "hpctrain.parallel.fsdp",
 }
 
 

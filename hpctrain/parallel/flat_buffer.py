@@ -41,10 +41,15 @@ class FlatUnit:
     ``keep_full``: the full buffer stays allocated and the shard parameter is a view of it
     (zero1/zero2); otherwise the shard has its own storage and the full buffer exists only
     between ``gather()`` and ``free()`` (zero3/fsdp).
+
+    ``compute_dtype`` (mixed precision): the full buffer, and so the parameters the model
+    computes with, have this dtype while the shard keeps the parameters' own (fp32 master).
+    ``shard_device`` (CPU offload): the shard lives there; gathering copies it to the device.
     """
 
     def __init__(self, name: str, named_params: list[tuple[str, nn.Parameter]],
-                 comm: Communicator, keep_full: bool):
+                 comm: Communicator, keep_full: bool, compute_dtype: torch.dtype | None = None,
+                 shard_device: torch.device | None = None):
         if not named_params:
             raise ValueError(f"unit {name!r} has no parameters; build units only over modules "
                              "that own trainable parameters")
@@ -57,6 +62,12 @@ class FlatUnit:
         self.comm = comm
         self.keep_full = keep_full
         dtype, device = named_params[0][1].dtype, named_params[0][1].device
+        cdtype = compute_dtype or dtype
+        sdevice = torch.device(shard_device) if shard_device is not None else device
+        if keep_full and (cdtype != dtype or sdevice != device):
+            raise ValueError(f"unit {name!r}: a full buffer that the shard views (keep_full) "
+                             "cannot have another dtype or device than the shard; pass "
+                             "keep_full=False with compute_dtype or shard_device")
         slots, offset = [], 0
         for pname, p in named_params:
             slots.append(Slot(pname, p, offset, p.numel(), tuple(p.shape)))
@@ -68,15 +79,18 @@ class FlatUnit:
         self.shard_numel = self.padded // n
         self.lo = comm.rank * self.shard_numel
         self.hi = self.lo + self.shard_numel
-        self.full = torch.zeros(self.padded, dtype=dtype, device=device)
+        master = torch.zeros(self.padded, dtype=dtype, device=device)
         with torch.no_grad():
             for s in slots:
-                self.full[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+                master[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+            self.full = master if cdtype == dtype else master.to(cdtype)
+            for s in slots:
                 s.param.data = self.full[s.offset:s.offset + s.numel].view(s.shape)
         if keep_full:
             self.shard = nn.Parameter(self.full[self.lo:self.hi])
         else:
-            self.shard = nn.Parameter(self.full[self.lo:self.hi].clone())
+            self.shard = nn.Parameter(master[self.lo:self.hi].to(sdevice, copy=True))
+        del master
         self.gathered = True
         self._nbytes = self.full.untyped_storage().nbytes()
 
@@ -95,7 +109,10 @@ class FlatUnit:
             # The MPI backend hands numpy views to MPI, and a numpy view makes a storage
             # non-resizable for good: gather into a temporary, then copy, keeping the version
             # counter (the values are the ones autograd saved before the free).
-            tmp = self.comm.allgather(self.shard.detach())
+            src = self.shard.detach()
+            if src.dtype != self.full.dtype or src.device != self.full.device:
+                src = src.to(self.full.device, self.full.dtype)  # mixed precision / offload
+            tmp = self.comm.allgather(src)
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full):
                 self.full.copy_(tmp)
         self.gathered = True
