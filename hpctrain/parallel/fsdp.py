@@ -108,11 +108,16 @@ def wrapped_modules(model: nn.Module, opts: FSDPOptions) -> list[tuple[str, nn.M
         return out
     # "size": post-order, as torch's size_based_auto_wrap_policy: a module is wrapped when
     # its trainable parameters not already inside a wrapped child reach min_params.
+    # A tied parameter counts once, where the walk meets it first.
     out: list = []
+    seen: set = set()
 
     def visit(name: str, m: nn.Module) -> int:
         left = sum(visit(f"{name}.{k}" if name else k, c) for k, c in m.named_children())
-        left += sum(p.numel() for p in m.parameters(recurse=False) if p.requires_grad)
+        for p in m.parameters(recurse=False):
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                left += p.numel()
         if name and left >= opts.min_params:
             out.append((name, m))
             return 0
