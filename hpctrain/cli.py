@@ -78,17 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--params-m", type=float, default=20.0, help="model size, millions of params")
     bm.add_argument("--steps", type=int, default=3, help="AdamW steps before reading the peak")
     bm.add_argument("--strategies", type=_strategy_list,
-                    default="single,ddp,zero1,zero2,zero3,fsdp2",
+                    default="single,ddp,zero1,zero2,zero3,fsdp,fsdp2",
                     help="comma-separated (single runs only on 1 rank)")
-    bm.add_argument("--mmap-threshold-kb", type=int, default=0,
-                    help="fix glibc's mmap threshold in the measured ranks (0: glibc's dynamic "
-                         "default, which keeps freed multi-MB tensors resident)")
-    bs = bsub.add_parser("step", help="step time of zero3 vs torch FSDP2, ddp for reference")
+    bm.add_argument("--mmap-threshold-kb", type=int, default=None,
+                    help="glibc mmap threshold in the measured ranks (default: the runtime's, "
+                         "HPCTRAIN_MMAP_THRESHOLD_KB or 256; 0: glibc's dynamic one, which "
+                         "keeps freed multi-MB tensors resident)")
+    bs = bsub.add_parser("step", help="step time of zero3 and fsdp vs torch FSDP2, ddp for "
+                         "reference")
     bs.add_argument("--params-m", type=float, default=20.0, help="model size, millions of params")
     bs.add_argument("--steps", type=int, default=10, help="timed steps (median)")
     bs.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     bs.add_argument("--batch", type=int, default=32, help="samples per rank")
-    bs.add_argument("--strategies", type=_strategy_list, default="zero3,fsdp2,ddp",
+    bs.add_argument("--strategies", type=_strategy_list, default="zero3,fsdp,fsdp2,ddp",
                     help="comma-separated")
     return p
 

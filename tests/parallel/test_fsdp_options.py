@@ -75,3 +75,29 @@ def test_size_policy_is_bottom_up_and_units_keep_ties_frozen_and_unused_right():
 def test_memory_matches_the_formulas(n):
     run_mpi(n, [os.path.join(HERE, "fsdp_memory_worker.py")], timeout=240,
             env={"HPCTRAIN_RANKS_PER_NODE": "2"})
+
+
+class _FakeComm:
+    """Rank/size only: FlatUnit's constructor does not communicate."""
+
+    def __init__(self, rank, size):
+        self.rank, self.size = rank, size
+
+
+def test_mixed_precision_unit_computes_in_bf16_and_keeps_an_fp32_master_shard():
+    import torch
+
+    from hpctrain.parallel.flat_buffer import FlatUnit
+
+    model = nn.Linear(5, 3)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    u = FlatUnit("root", list(model.named_parameters()), _FakeComm(1, 2), keep_full=False,
+                 compute_dtype=torch.bfloat16)
+    assert u.full.dtype == torch.bfloat16 and model.weight.dtype == torch.bfloat16
+    assert u.shard.dtype == torch.float32 and u.shard.numel() == 9  # 18 elements / 2
+    flat = torch.cat([before["weight"].reshape(-1), before["bias"]])
+    torch.testing.assert_close(u.shard.detach(), flat[9:18])  # exact fp32 values, not rounded
+    torch.testing.assert_close(model.bias.float(), before["bias"], rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="keep_full"):
+        FlatUnit("root", list(nn.Linear(2, 2).named_parameters()), _FakeComm(0, 2),
+                 keep_full=True, compute_dtype=torch.bfloat16)

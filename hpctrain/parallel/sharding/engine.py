@@ -386,7 +386,8 @@ class ShardedModel(Parallelized):
         optim = nbytes([v for st in self.optimizer.state.values() for v in st.values()
                         if torch.is_tensor(v)])
         gathered = max(u.full_bytes() for u in self.units) if on_demand else 0
-        return {"stage": self.plan.stage, "strategy": self.name, "world_size": self.comm.size,
+        return {"stage": self.plan.stage, "strategy": self.name, "world_size": self.world.size,
+                "shard_group": self.comm.size,
                 "replicas": self.replicate.size if self.replicate is not None else 1,
                 "trainable_numel": sum(u.numel for u in self.units),
                 "padded_numel": sum(u.padded for u in self.units),
