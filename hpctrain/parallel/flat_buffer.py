@@ -8,6 +8,8 @@ parameter count shards over any world size; the padding is zero and stays zero.
 
 from __future__ import annotations
 
+import ctypes
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -105,13 +107,18 @@ class FlatUnit:
             storage.resize_(self._nbytes)  # the same storage: autograd's saved views stay valid
         if self.keep_full:
             self.comm.allgather(self.shard.detach().clone(), out=self.full)
-        else:
+            self.gathered = True
+            return
+        src = self.shard.detach()
+        if src.dtype != self.full.dtype or src.device != self.full.device:
+            src = src.to(self.full.device, self.full.dtype)  # mixed precision / offload
+        if self.full.device.type == "cpu":
             # The MPI backend hands numpy views to MPI, and a numpy view makes a storage
-            # non-resizable for good: gather into a temporary, then copy, keeping the version
-            # counter (the values are the ones autograd saved before the free).
-            src = self.shard.detach()
-            if src.dtype != self.full.dtype or src.device != self.full.device:
-                src = src.to(self.full.device, self.full.dtype)  # mixed precision / offload
+            # non-resizable for good: gather into an alias of the same memory with its own
+            # storage instead (no second full-size buffer). Writing through the alias keeps
+            # full's version counter (the values are the ones autograd saved before the free).
+            self.comm.allgather(src, out=_alias(self.full))
+        else:
             tmp = self.comm.allgather(src)
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full):
                 self.full.copy_(tmp)
@@ -153,3 +160,11 @@ class FlatUnit:
         a, b = slot.owned(self.lo, self.hi)
         start = slot.offset + a - self.lo
         return (a, b), self.shard.detach()[start:start + (b - a)]
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor over t's memory with a storage of its own (t must outlive it)."""
+    buf = (ctypes.c_byte * (t.numel() * t.element_size())).from_address(t.data_ptr())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # frombuffer warns that it does not copy: intended
+        return torch.frombuffer(buf, dtype=t.dtype)

@@ -107,14 +107,16 @@ class ShardedModel(Parallelized):
         if self.plan.persistent_grads:
             return
         st.arrived.add(j)
-        if self._final:  # non-final micro-batches accumulate locally: no communication
-            self._pack(st, j)
         if len(st.arrived) == len(st.unit.slots):
-            if self._final:
+            # Its backward is over (every use of its params is done): free the gathered
+            # params BEFORE the flat gradient is allocated, so the two never coexist.
+            if self.plan.on_demand:
+                st.unit.free()
+            if self._final:  # non-final micro-batches accumulate locally: no communication
+                for k in range(len(st.unit.slots)):
+                    self._pack(st, k)
                 self._reduce(st)
                 st.reduced = True
-            if self.plan.on_demand:
-                st.unit.free()  # its backward is over (every use of its params is done)
 
     def _pack(self, st: _UnitState, j: int) -> None:
         """Move slot j's gradient into the unit's flat buffer and free it."""
