@@ -37,8 +37,7 @@ def run(params_m: float = 20.0, steps: int = 3, strategies=DEFAULT, width: int =
         print(f"memory bench: {psi / 1e6:.1f}M fp32 params ({any_['layers']} x Linear "
               f"{any_['width']}), AdamW, {steps} steps, {n} ranks, fresh ranks per strategy, "
               f"glibc mmap threshold {f'{kb} KB' if kb else 'dynamic'},"
-              f" MPI transport warmed up before the baseline, load average "
-              f"{os.getloadavg()[0]:.2f}")
+              f" load average {os.getloadavg()[0]:.2f}")
         print(f"  {'strategy':<9} {'train peak MB':>13} {'formula MB':>10} {'measured/formula':>17}"
               f" {'build peak MB':>14}   (max over ranks of peak RSS above the pre-model RSS)")
         for s, r in res.items():

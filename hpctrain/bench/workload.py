@@ -73,17 +73,6 @@ def _warm_up_libraries() -> None:
     opt.step()
 
 
-def _warm_up_comm(world, numel: int) -> None:
-    # MPI's shared-memory transport touches its segments on the first large messages and
-    # keeps them (measured +11-14 MB RSS per rank at 4 ranks after one 4 MB all-gather): a
-    # fixed cost of the library, paid once per process like torch's pools, not model memory.
-    n = world.size
-    full = torch.zeros(-(-numel // n) * n)
-    world.comm.allgather(full[:full.numel() // n].clone())
-    world.comm.reduce_scatter(full)
-    world.comm.allreduce(full)
-
-
 def _set_mmap_threshold(kb: int | None) -> None:
     # None: the runtime's default (init_world fixes glibc's mmap threshold, see
     # runtime/malloc.py); 0: glibc's dynamic threshold; N: N KB.
@@ -170,7 +159,6 @@ def measure(strategy: str, params_m: float = 20.0, width: int = 1024, batch: int
     applied_kb = tune_malloc()
     _prepare(strategy, world)
     _warm_up_libraries()
-    _warm_up_comm(world, width * width + width)
     world.mpi_comm.Barrier()
     base_kb = _status_kb("VmRSS")
     _reset_peak()
