@@ -80,10 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--strategies", type=_strategy_list,
                     default="single,ddp,zero1,zero2,zero3,fsdp,fsdp2",
                     help="comma-separated (single runs only on 1 rank)")
-    bm.add_argument("--mmap-threshold-kb", type=int, default=None,
-                    help="glibc mmap threshold in the measured ranks (default: the runtime's, "
-                         "HPCTRAIN_MMAP_THRESHOLD_KB or 256; 0: glibc's dynamic one, which "
-                         "keeps freed multi-MB tensors resident)")
+    bm.add_argument("--mmap-threshold-kb", type=int, default=256,
+                    help="fix glibc's mmap threshold in the measured ranks (0: glibc's dynamic "
+                         "default, which keeps freed multi-MB tensors resident; runtime/malloc.py"
+                         " explains the step-time cost)")
     bs = bsub.add_parser("step", help="step time of zero3 and fsdp vs torch FSDP2, ddp for "
                          "reference")
     bs.add_argument("--params-m", type=float, default=20.0, help="model size, millions of params")

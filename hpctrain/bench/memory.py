@@ -21,7 +21,7 @@ def _mb(b: float) -> str:
 
 
 def run(params_m: float = 20.0, steps: int = 3, strategies=DEFAULT, width: int = 1024,
-        mmap_threshold_kb: int | None = None) -> int:
+        mmap_threshold_kb: int | None = 256) -> int:
     """Measure each strategy after a few AdamW steps; print MB above baseline, formula, ratio."""
     from hpctrain.runtime.world import init_world
 

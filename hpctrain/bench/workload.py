@@ -74,8 +74,8 @@ def _warm_up_libraries() -> None:
 
 
 def _set_mmap_threshold(kb: int | None) -> None:
-    # None: the runtime's default (init_world fixes glibc's mmap threshold, see
-    # runtime/malloc.py); 0: glibc's dynamic threshold; N: N KB.
+    # None: the runtime's default (HPCTRAIN_MMAP_THRESHOLD_KB, see runtime/malloc.py);
+    # 0: glibc's dynamic threshold; N: N KB.
     if kb is not None:
         from hpctrain.runtime.malloc import ENV
 

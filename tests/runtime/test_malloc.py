@@ -6,7 +6,7 @@ from hpctrain.runtime import malloc
 
 
 def test_threshold_from_environment():
-    assert malloc.mmap_threshold_kb({}) == malloc.DEFAULT_KB
+    assert malloc.mmap_threshold_kb({}) == malloc.DEFAULT_KB == 0  # glibc's own: speed
     assert malloc.mmap_threshold_kb({malloc.ENV: "512"}) == 512
     assert malloc.mmap_threshold_kb({malloc.ENV: "0"}) == 0  # leave glibc dynamic
     # The user's glibc tunable was applied by glibc at startup: do not override it.
