@@ -14,7 +14,7 @@ __all__ = ["main", "build_parser"]
 # flag -> (section, key); the flags override the TOML file.
 TRAIN_FLAGS = {
     "strategy": ("train", "strategy", str,
-                 "parallel strategy: single, ddp, zero1, zero2, zero3, pipeline, domain"),
+                 "parallel strategy: single, ddp, zero1, zero2, zero3, fsdp, pipeline, domain"),
     "model": ("train", "model", str, "built-in model (mlp, gpt) or package.module:factory"),
     "steps": ("train", "steps", int, "optimizer steps"),
     "global_batch_size": ("train", "global_batch_size", int, "samples per step over all ranks"),
@@ -39,6 +39,9 @@ TRAIN_FLAGS = {
     "requeue": ("checkpoint", "requeue", str, "after a pre-emption checkpoint: auto (scontrol "
                 "requeue under SLURM) or off"),
     "fusion_threshold_mb": ("ddp", "fusion_threshold_mb", float, "Horovod tensor fusion MB"),
+    "sharding_strategy": ("fsdp", "sharding_strategy", str,
+                          "fsdp: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD"),
+    "auto_wrap_policy": ("fsdp", "auto_wrap_policy", str, "fsdp units: blocks, class, size, none"),
 }
 BOOL_FLAGS = {
     "activation_checkpointing": ("train", "activation_checkpointing", "recompute activations"),
@@ -78,17 +81,19 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--params-m", type=float, default=20.0, help="model size, millions of params")
     bm.add_argument("--steps", type=int, default=3, help="AdamW steps before reading the peak")
     bm.add_argument("--strategies", type=_strategy_list,
-                    default="single,ddp,zero1,zero2,zero3,fsdp2",
+                    default="single,ddp,zero1,zero2,zero3,fsdp,fsdp2",
                     help="comma-separated (single runs only on 1 rank)")
-    bm.add_argument("--mmap-threshold-kb", type=int, default=0,
+    bm.add_argument("--mmap-threshold-kb", type=int, default=256,
                     help="fix glibc's mmap threshold in the measured ranks (0: glibc's dynamic "
-                         "default, which keeps freed multi-MB tensors resident)")
-    bs = bsub.add_parser("step", help="step time of zero3 vs torch FSDP2, ddp for reference")
+                         "default, which keeps freed multi-MB tensors resident; runtime/malloc.py"
+                         " explains the step-time cost)")
+    bs = bsub.add_parser("step", help="step time of zero3 and fsdp vs torch FSDP2, ddp for "
+                         "reference")
     bs.add_argument("--params-m", type=float, default=20.0, help="model size, millions of params")
     bs.add_argument("--steps", type=int, default=10, help="timed steps (median)")
     bs.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     bs.add_argument("--batch", type=int, default=32, help="samples per rank")
-    bs.add_argument("--strategies", type=_strategy_list, default="zero3,fsdp2,ddp",
+    bs.add_argument("--strategies", type=_strategy_list, default="zero3,fsdp,fsdp2,ddp",
                     help="comma-separated")
     bp = bsub.add_parser("pipeline", help="pipeline bubble per stage vs (p-1)/(m+p-1), "
                          "throughput vs torch.distributed.pipelining (gloo)")

@@ -13,14 +13,19 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 __all__ = [
-    "ConfigError", "TrainSection", "DDPSection", "ZeroSection", "PipelineSection", "DomainSection",
-    "RuntimeSection", "CheckpointSection", "Config",
+    "ConfigError", "TrainSection", "DDPSection", "ZeroSection", "FSDPSection", "PipelineSection",
+    "DomainSection", "RuntimeSection", "CheckpointSection", "Config",
     "load_config", "parse_assignment", "STRATEGIES", "OPTIMIZERS", "PRECISIONS",
 ]
 
-STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "pipeline", "domain")
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "pipeline", "domain")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 PIPELINE_BALANCE = ("param-count", "measured")
+# fsdp choices (kept here so validation needs no torch import; parallel/fsdp.py checks the same).
+FSDP_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+FSDP_WRAP = ("blocks", "class", "size", "none")
+FSDP_PREFETCH = ("BACKWARD_PRE", "NONE")
+FSDP_DTYPES = ("", "fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw")
 PRECISIONS = ("fp32", "bf16", "fp16")
 PROGRESS = ("auto", "on", "off")
@@ -103,6 +108,30 @@ class DomainSection:
 
 
 @dataclass
+class FSDPSection:
+    """[fsdp]: fully sharded data parallel (strategy fsdp)."""
+
+    sharding_strategy: str = _f("FULL_SHARD", "FULL_SHARD (zero3 per unit), SHARD_GRAD_OP, "
+                                "NO_SHARD (replicas) or HYBRID_SHARD (shard in node, replicate "
+                                "across)", choices=FSDP_SHARDING)
+    auto_wrap_policy: str = _f("blocks", "units: blocks (ModuleList elements), class "
+                               "(wrap_classes), size (min_params) or none (one unit)",
+                               choices=FSDP_WRAP)
+    wrap_classes: str = _f("", "comma-separated module class names for auto_wrap_policy=class, "
+                           "e.g. GPTBlock")
+    min_params: int = _f(0, "parameters per unit for auto_wrap_policy=size", min=0)
+    backward_prefetch: str = _f("BACKWARD_PRE", "gather the next unit before this unit's backward "
+                                "(BACKWARD_PRE) or not (NONE)", choices=FSDP_PREFETCH)
+    param_dtype: str = _f("", "dtype of gathered params the model computes with ('': keep fp32)",
+                          choices=FSDP_DTYPES)
+    reduce_dtype: str = _f("", "dtype gradients are reduced in ('': the param dtype)",
+                           choices=FSDP_DTYPES)
+    buffer_dtype: str = _f("", "dtype of floating buffers ('': keep)", choices=FSDP_DTYPES)
+    cpu_offload: bool = _f(False, "keep shards, their grads and optimizer state on the host (GPU)")
+    sync_batchnorm: bool = _f(True, "BatchNorm statistics over the global batch (all ranks)")
+
+
+@dataclass
 class RuntimeSection:
     """[runtime]: the world, devices and the mesh."""
 
@@ -132,6 +161,7 @@ class Config:
     zero: ZeroSection = field(default_factory=ZeroSection)
     pipeline: PipelineSection = field(default_factory=PipelineSection)
     domain: DomainSection = field(default_factory=DomainSection)
+    fsdp: FSDPSection = field(default_factory=FSDPSection)
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
 
@@ -166,7 +196,16 @@ class Config:
                 f"checkpoint.every = {c.every} / checkpoint.resume = {c.resume!r} need a directory; "
                 f"pass --checkpoint-dir DIR")
         self._validate_mesh(world_size)
+        if t.strategy == "fsdp":
+            self._validate_fsdp(world_size)
         return self
+
+    def effective_mesh(self, world_size: int) -> str:
+        """The mesh in use: runtime.mesh, or the strategy's default when it is empty."""
+        if self.runtime.mesh:
+            return self.runtime.mesh
+        default = {"pipeline": "pp", "domain": "dom"}.get(self.train.strategy, "dp")
+        return f"{default}={world_size}"
 
     def _batch_ranks(self, world_size: int) -> int:
         """Ranks that split each micro-batch: all of them, or the dp degree under domain."""
@@ -181,6 +220,19 @@ class Config:
             return world_size  # _validate_mesh reports it
         return 1 if layout is None else layout.dp
 
+    def _validate_fsdp(self, world_size: int) -> None:
+        f, rpn = self.fsdp, self.runtime.ranks_per_node
+        if f.auto_wrap_policy == "class" and not f.wrap_classes.strip():
+            raise ConfigError("fsdp.auto_wrap_policy = 'class' needs fsdp.wrap_classes, e.g. "
+                              "--set fsdp.wrap_classes=GPTBlock")
+        if f.auto_wrap_policy == "size" and f.min_params < 1:
+            raise ConfigError(f"fsdp.auto_wrap_policy = 'size' needs fsdp.min_params >= 1, got "
+                              f"{f.min_params}; e.g. --set fsdp.min_params=100000")
+        if f.sharding_strategy == "HYBRID_SHARD" and rpn and world_size % rpn:
+            raise ConfigError(f"fsdp.sharding_strategy = 'HYBRID_SHARD' with runtime.ranks_per_node"
+                              f" = {rpn} needs a world size divisible by it, got {world_size} "
+                              f"ranks; launch a multiple of {rpn} ranks")
+
     def _validate_mesh(self, world_size: int) -> None:
         from hpctrain.runtime.mesh import MeshLayout
 
@@ -194,7 +246,7 @@ class Config:
         used = {k: v for k, v in layout.degrees().items() if k != "dp" and v > 1}
         if self.train.strategy == "pipeline":
             return  # checked by _validate_pipeline
-        if used and self.train.strategy in ("single", "ddp", "zero1", "zero2", "zero3"):
+        if used and self.train.strategy in ("single", "ddp", "zero1", "zero2", "zero3", "fsdp"):
             raise ConfigError(
                 f"runtime.mesh = {self.runtime.mesh!r} uses {', '.join(used)} but strategy "
                 f"{self.train.strategy!r} only uses dp; drop those degrees or pick a strategy that uses them")

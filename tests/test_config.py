@@ -72,3 +72,16 @@ def test_parse_assignment():
     assert parse_assignment("train.lr=1e-3") == {"train": {"lr": 1e-3}}
     with pytest.raises(ConfigError, match="section.key=value"):
         parse_assignment("lr=3")
+
+
+def test_effective_mesh_defaults_follow_the_strategy():
+    from hpctrain.config import load_config
+
+    def mesh(strategy, mesh=""):
+        return load_config(overrides=[{"train": {"strategy": strategy},
+                                       "runtime": {"mesh": mesh}}]).effective_mesh(4)
+
+    assert mesh("ddp") == "dp=4"
+    assert mesh("pipeline") == "pp=4"
+    assert mesh("domain") == "dom=4"
+    assert mesh("pipeline", "dp=2,pp=2") == "dp=2,pp=2"

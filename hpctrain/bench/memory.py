@@ -13,7 +13,7 @@ from hpctrain.bench.workload import formula_bytes
 
 __all__ = ["DEFAULT", "run"]
 
-DEFAULT = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp2")
+DEFAULT = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp2")
 
 
 def _mb(b: float) -> str:
@@ -21,7 +21,7 @@ def _mb(b: float) -> str:
 
 
 def run(params_m: float = 20.0, steps: int = 3, strategies=DEFAULT, width: int = 1024,
-        mmap_threshold_kb: int = 0) -> int:
+        mmap_threshold_kb: int | None = 256) -> int:
     """Measure each strategy after a few AdamW steps; print MB above baseline, formula, ratio."""
     from hpctrain.runtime.world import init_world
 
@@ -33,10 +33,10 @@ def run(params_m: float = 20.0, steps: int = 3, strategies=DEFAULT, width: int =
                      "steps": steps, "mmap_threshold_kb": mmap_threshold_kb}) for s in todo}
     if world.rank == 0 and res:
         any_ = next(iter(res.values()))
-        psi, unit = any_["psi"], any_["unit_bytes"]
+        psi, unit, kb = any_["psi"], any_["unit_bytes"], any_["mmap_threshold_kb"]
         print(f"memory bench: {psi / 1e6:.1f}M fp32 params ({any_['layers']} x Linear "
               f"{any_['width']}), AdamW, {steps} steps, {n} ranks, fresh ranks per strategy, "
-              f"glibc mmap threshold {f'{mmap_threshold_kb} KB' if mmap_threshold_kb else 'dynamic'},"
+              f"glibc mmap threshold {f'{kb} KB' if kb else 'dynamic'},"
               f" load average {os.getloadavg()[0]:.2f}")
         print(f"  {'strategy':<9} {'train peak MB':>13} {'formula MB':>10} {'measured/formula':>17}"
               f" {'build peak MB':>14}   (max over ranks of peak RSS above the pre-model RSS)")
@@ -44,10 +44,13 @@ def run(params_m: float = 20.0, steps: int = 3, strategies=DEFAULT, width: int =
             peak, f = max(r["rss_above"]), formula_bytes(s, psi, n, unit)
             print(f"  {s:<9} {_mb(peak):>13} {_mb(f):>10} {peak / f:>17.2f}"
                   f" {_mb(max(r['build_above'])):>14}"
-                  f"{'  (target <= 1.10)' if s.startswith('zero') else ''}")
+                  f"{'  (target <= 1.10)' if s.startswith('zero') or s == 'fsdp' else ''}")
         if "zero3" in res and "fsdp2" in res:
             z, t = max(res["zero3"]["rss_above"]), max(res["fsdp2"]["rss_above"])
             print(f"  peak memory zero3/fsdp2 = {z / t:.2f}x")
+        if "fsdp" in res and "fsdp2" in res:
+            z, t = max(res["fsdp"]["rss_above"]), max(res["fsdp2"]["rss_above"])
+            print(f"  peak memory fsdp/fsdp2 = {z / t:.2f}x")
         for s, r in res.items():
             m = r["memory_report"]
             if m:

@@ -16,7 +16,7 @@ from torch import nn
 
 __all__ = ["STRATEGIES", "Stack", "formula_bytes", "layers_for", "measure"]
 
-STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp2")
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp2")
 
 
 class Stack(nn.Module):
@@ -45,7 +45,7 @@ def formula_bytes(strategy: str, psi: int, n: int, unit_bytes: int) -> int:
         return 4 * psi + 4 * psi + 8 * psi // n
     if strategy == "zero2":
         return 4 * psi + 12 * psi // n
-    return 16 * psi // n + unit_bytes  # zero3 and FSDP2 (FULL_SHARD): plus one gathered unit
+    return 16 * psi // n + unit_bytes  # zero3, fsdp and FSDP2 (FULL_SHARD): + one gathered unit
 
 
 def _status_kb(field: str) -> int:
@@ -73,14 +73,13 @@ def _warm_up_libraries() -> None:
     opt.step()
 
 
-def _fix_mmap_threshold(kb: int) -> None:
-    # glibc raises its mmap threshold after each large free, so later multi-MB tensors come
-    # from the heap, where freed holes stay resident; a fixed threshold turns that off.
-    if kb > 0:
-        import ctypes
+def _set_mmap_threshold(kb: int | None) -> None:
+    # None: the runtime's default (HPCTRAIN_MMAP_THRESHOLD_KB, see runtime/malloc.py);
+    # 0: glibc's dynamic threshold; N: N KB.
+    if kb is not None:
+        from hpctrain.runtime.malloc import ENV
 
-        M_MMAP_THRESHOLD = -3
-        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, kb * 1024)
+        os.environ[ENV] = str(kb)
 
 
 def _init_gloo(world) -> None:
@@ -134,6 +133,10 @@ def _wrap(strategy: str, model, make_optimizer, world):
     from hpctrain.parallel import wrap
 
     options = None
+    if strategy == "fsdp":
+        from hpctrain.parallel.fsdp import FSDPOptions
+
+        options = FSDPOptions()
     if strategy.startswith("zero"):
         from hpctrain.parallel.zero import ZeroOptions
 
@@ -142,15 +145,18 @@ def _wrap(strategy: str, model, make_optimizer, world):
 
 
 def measure(strategy: str, params_m: float = 20.0, width: int = 1024, batch: int = 32,
-            warmup: int = 2, steps: int = 3, mmap_threshold_kb: int = 0) -> dict:
+            warmup: int = 2, steps: int = 3, mmap_threshold_kb: int | None = None) -> dict:
     """Train warmup+steps AdamW steps; return per-rank peak RSS above baseline and timings."""
     from hpctrain.runtime.world import init_world
 
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy {strategy!r}: expected one of {', '.join(STRATEGIES)}")
-    _fix_mmap_threshold(mmap_threshold_kb)
+    _set_mmap_threshold(mmap_threshold_kb)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     world = init_world(device="cpu")
+    from hpctrain.runtime.malloc import tune_malloc
+
+    applied_kb = tune_malloc()
     _prepare(strategy, world)
     _warm_up_libraries()
     world.mpi_comm.Barrier()
@@ -181,7 +187,7 @@ def measure(strategy: str, params_m: float = 20.0, width: int = 1024, batch: int
             times.append(time.perf_counter() - t0)
     above = (_status_kb("VmHWM") - base_kb) * 1024
     build = (build_kb - base_kb) * 1024
-    report = par.memory_report() if strategy.startswith("zero") else None
+    report = par.memory_report() if hasattr(par, "memory_report") else None
     if strategy == "fsdp2":
         import torch.distributed as dist
 
@@ -190,7 +196,7 @@ def measure(strategy: str, params_m: float = 20.0, width: int = 1024, batch: int
             "unit_bytes": unit_bytes, "layers": layers, "width": width,
             "rss_above": world.mpi_comm.allgather(above),
             "build_above": world.mpi_comm.allgather(build), "memory_report": report,
-            "step_s": times, "median_s": statistics.median(times) if times else 0.0}
+            "mmap_threshold_kb": applied_kb, "step_s": times, "median_s": statistics.median(times) if times else 0.0}
 
 
 if __name__ == "__main__":

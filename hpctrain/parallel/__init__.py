@@ -22,6 +22,7 @@ STRATEGY_MODULES = {
     # wrap() takes a LayerStack (models.registry.build_layers), not a built model.
     "pipeline": "hpctrain.parallel.pipeline",
     "domain": "hpctrain.parallel.domain.strategy",
+    "fsdp": "hpctrain.parallel.fsdp",
 }
 
 

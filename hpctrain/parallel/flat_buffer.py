@@ -8,6 +8,8 @@ parameter count shards over any world size; the padding is zero and stays zero.
 
 from __future__ import annotations
 
+import ctypes
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -41,10 +43,15 @@ class FlatUnit:
     ``keep_full``: the full buffer stays allocated and the shard parameter is a view of it
     (zero1/zero2); otherwise the shard has its own storage and the full buffer exists only
     between ``gather()`` and ``free()`` (zero3/fsdp).
+
+    ``compute_dtype`` (mixed precision): the full buffer, and so the parameters the model
+    computes with, have this dtype while the shard keeps the parameters' own (fp32 master).
+    ``shard_device`` (CPU offload): the shard lives there; gathering copies it to the device.
     """
 
     def __init__(self, name: str, named_params: list[tuple[str, nn.Parameter]],
-                 comm: Communicator, keep_full: bool):
+                 comm: Communicator, keep_full: bool, compute_dtype: torch.dtype | None = None,
+                 shard_device: torch.device | None = None):
         if not named_params:
             raise ValueError(f"unit {name!r} has no parameters; build units only over modules "
                              "that own trainable parameters")
@@ -57,6 +64,12 @@ class FlatUnit:
         self.comm = comm
         self.keep_full = keep_full
         dtype, device = named_params[0][1].dtype, named_params[0][1].device
+        cdtype = compute_dtype or dtype
+        sdevice = torch.device(shard_device) if shard_device is not None else device
+        if keep_full and (cdtype != dtype or sdevice != device):
+            raise ValueError(f"unit {name!r}: a full buffer that the shard views (keep_full) "
+                             "cannot have another dtype or device than the shard; pass "
+                             "keep_full=False with compute_dtype or shard_device")
         slots, offset = [], 0
         for pname, p in named_params:
             slots.append(Slot(pname, p, offset, p.numel(), tuple(p.shape)))
@@ -68,15 +81,18 @@ class FlatUnit:
         self.shard_numel = self.padded // n
         self.lo = comm.rank * self.shard_numel
         self.hi = self.lo + self.shard_numel
-        self.full = torch.zeros(self.padded, dtype=dtype, device=device)
+        master = torch.zeros(self.padded, dtype=dtype, device=device)
         with torch.no_grad():
             for s in slots:
-                self.full[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+                master[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+            self.full = master if cdtype == dtype else master.to(cdtype)
+            for s in slots:
                 s.param.data = self.full[s.offset:s.offset + s.numel].view(s.shape)
         if keep_full:
             self.shard = nn.Parameter(self.full[self.lo:self.hi])
         else:
-            self.shard = nn.Parameter(self.full[self.lo:self.hi].clone())
+            self.shard = nn.Parameter(master[self.lo:self.hi].to(sdevice, copy=True))
+        del master
         self.gathered = True
         self._nbytes = self.full.untyped_storage().nbytes()
 
@@ -91,11 +107,19 @@ class FlatUnit:
             storage.resize_(self._nbytes)  # the same storage: autograd's saved views stay valid
         if self.keep_full:
             self.comm.allgather(self.shard.detach().clone(), out=self.full)
-        else:
+            self.gathered = True
+            return
+        src = self.shard.detach()
+        if src.dtype != self.full.dtype or src.device != self.full.device:
+            src = src.to(self.full.device, self.full.dtype)  # mixed precision / offload
+        if self.full.device.type == "cpu":
             # The MPI backend hands numpy views to MPI, and a numpy view makes a storage
-            # non-resizable for good: gather into a temporary, then copy, keeping the version
-            # counter (the values are the ones autograd saved before the free).
-            tmp = self.comm.allgather(self.shard.detach())
+            # non-resizable for good: gather into an alias of the same memory with its own
+            # storage instead (no second full-size buffer). Writing through the alias keeps
+            # full's version counter (the values are the ones autograd saved before the free).
+            self.comm.allgather(src, out=_alias(self.full))
+        else:
+            tmp = self.comm.allgather(src)
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full):
                 self.full.copy_(tmp)
         self.gathered = True
@@ -136,3 +160,11 @@ class FlatUnit:
         a, b = slot.owned(self.lo, self.hi)
         start = slot.offset + a - self.lo
         return (a, b), self.shard.detach()[start:start + (b - a)]
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor over t's memory with a storage of its own (t must outlive it)."""
+    buf = (ctypes.c_byte * (t.numel() * t.element_size())).from_address(t.data_ptr())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # frombuffer warns that it does not copy: intended
+        return torch.frombuffer(buf, dtype=t.dtype)

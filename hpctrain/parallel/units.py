@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-__all__ = ["UnitSpec", "partition"]
+__all__ = ["UnitSpec", "partition", "partition_modules"]
 
 
 @dataclass
@@ -38,12 +38,23 @@ def partition(model: nn.Module, per_block: bool = True) -> tuple[list[UnitSpec],
     Tied parameters appear once, under the first name ``named_parameters`` gives them;
     ``per_block=False`` puts every trainable parameter in the root unit.
     """
-    blocks = _blocks(model) if per_block else []
+    return partition_modules(model, _blocks(model) if per_block else [])
+
+
+def partition_modules(model: nn.Module, wrapped: list[tuple[str, nn.Module]]
+                      ) -> tuple[list[UnitSpec], list]:
+    """As ``partition``, with one unit per given (qualified name, submodule), which may nest.
+
+    A parameter belongs to the innermost wrapped module that holds it; one held by two
+    units (tied across them) goes to the root, which is gathered the longest.
+    """
+    blocks = sorted(wrapped, key=lambda b: -len(b[0]))  # innermost (longest name) first
+    index = {b: i for i, (b, _) in enumerate(wrapped)}
     homes: dict[int, set] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        owner = next((i for i, (b, _) in enumerate(blocks) if name.startswith(b + ".")), -1)
+        owner = next((index[b] for b, _ in blocks if name.startswith(b + ".")), -1)
         homes.setdefault(id(p), set()).add(owner)
-    units = [UnitSpec(b, m) for b, m in blocks]
+    units = [UnitSpec(b, m) for b, m in wrapped]
     root = UnitSpec("<root>", model)
     frozen = []
     for name, p in model.named_parameters():

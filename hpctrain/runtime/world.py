@@ -97,6 +97,9 @@ def init_world(ranks_per_node: int = 0, device: str = "auto", env: Mapping[str, 
         return _WORLD
     env = os.environ if env is None else env
     launch = detect_launcher(env)
+    from hpctrain.runtime.malloc import tune_malloc
+
+    tune_malloc(env)  # HPCTRAIN_MMAP_THRESHOLD_KB, before the model grows the heap (malloc.py)
     per_node = ranks_per_node_override(env, ranks_per_node)
 
     from mpi4py import MPI  # initialises MPI (thread level MPI_THREAD_MULTIPLE by default)

@@ -48,4 +48,19 @@ def strategy_options(cfg: Config):
         from hpctrain.parallel.domain.strategy import DomainOptions
 
         return DomainOptions(mesh=cfg.runtime.mesh, overlap=cfg.domain.overlap)
+    if s == "fsdp":
+        return fsdp_options(cfg)
     return None
+
+
+def fsdp_options(cfg: Config):
+    """FSDPOptions from the [fsdp] table (and train.grad_accum)."""
+    from hpctrain.parallel.fsdp import FSDPOptions
+
+    f = cfg.fsdp
+    return FSDPOptions(sharding_strategy=f.sharding_strategy, auto_wrap_policy=f.auto_wrap_policy,
+                       wrap_classes=tuple(c.strip() for c in f.wrap_classes.split(",") if c.strip()),
+                       min_params=f.min_params, backward_prefetch=f.backward_prefetch,
+                       param_dtype=f.param_dtype, reduce_dtype=f.reduce_dtype,
+                       buffer_dtype=f.buffer_dtype, cpu_offload=f.cpu_offload,
+                       grad_accum=cfg.train.grad_accum, sync_batchnorm=f.sync_batchnorm)

@@ -107,7 +107,8 @@ class Trainer:
         t, world = self.cfg.train, self.world
         main = world.is_main
         if main:
-            print(world.describe(strategy=t.strategy, mesh=self.cfg.runtime.mesh), flush=True)
+            print(world.describe(strategy=t.strategy, mesh=self.cfg.effective_mesh(world.size)),
+                  flush=True)
         units_per_step = t.global_batch_size * self.built.units_per_sample
         progress = Progress(t.steps, main, t.progress, t.log_every, self.built.unit)
         csv = MetricsCSV(t.out_dir, main)

@@ -1,0 +1,194 @@
+"""Fully sharded data parallel, hand-written over the Communicator (no torch FSDP inside).
+
+The model is cut into units by an auto-wrap policy (repeated blocks, module classes, or a
+minimum parameter count); each unit is one flat padded buffer (``FlatUnit``) sharded over a
+group of ranks. Sharding strategies:
+
+- FULL_SHARD: parameters, gradients and optimizer state sharded over all ranks; a unit is
+  gathered before its forward, freed after it, re-gathered before its backward (zero3).
+- SHARD_GRAD_OP: as FULL_SHARD, but a unit gathered for forward stays until its backward is
+  over (no second all-gather); gradients and optimizer state sharded.
+- NO_SHARD: full replicas; gradients all-reduced over the ranks (DDP over our comm).
+- HYBRID_SHARD: FULL_SHARD inside a node (the runtime's node communicator), replicated
+  across nodes: gradients reduce-scattered in the node, then all-reduced across nodes.
+
+Mixed precision: the gathered parameters (what the model computes with) are ``param_dtype``
+while the shards keep fp32 masters that the optimizer steps; gradients are reduced in
+``reduce_dtype``; floating buffers are cast to ``buffer_dtype``. CPU offload keeps the
+shards, their gradients and the optimizer state on the host (GPU runs only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hpctrain.parallel.base import OptimizerFactory, Parallelized
+from hpctrain.parallel.flat_buffer import FlatUnit
+from hpctrain.parallel.sharding.engine import ShardedModel, ShardPlan, broadcast_state
+from hpctrain.parallel.sharding.schedule import GatherSchedule, cast_floating_inputs
+from hpctrain.parallel.sharding.solo import SoloCommunicator
+from hpctrain.parallel.sync_batchnorm import convert_sync_batchnorm
+from hpctrain.parallel.units import partition_modules
+
+__all__ = ["FSDPOptions", "SHARDING_STRATEGIES", "WRAP_POLICIES", "BACKWARD_PREFETCH",
+           "DTYPES", "wrap", "wrapped_modules"]
+
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+WRAP_POLICIES = ("blocks", "class", "size", "none")
+BACKWARD_PREFETCH = ("BACKWARD_PRE", "NONE")
+DTYPES = {"": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_STAGE = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0, "HYBRID_SHARD": 3}
+
+
+@dataclass(frozen=True)
+class FSDPOptions:
+    """Sharding strategy, auto-wrap policy, prefetch, mixed precision and offload.
+
+    ``auto_wrap_policy``: "blocks" (each element of a ModuleList, as zero does), "class"
+    (every module whose class name is in ``wrap_classes``), "size" (bottom-up, a module whose
+    not-yet-wrapped parameters number at least ``min_params``) or "none" (one unit). dtypes
+    are "" (keep the parameters' own), "fp32", "bf16" or "fp16".
+    """
+
+    sharding_strategy: str = "FULL_SHARD"
+    auto_wrap_policy: str = "blocks"
+    wrap_classes: tuple = ()
+    min_params: int = 0
+    backward_prefetch: str = "BACKWARD_PRE"
+    param_dtype: str = ""
+    reduce_dtype: str = ""
+    buffer_dtype: str = ""
+    cpu_offload: bool = False
+    grad_accum: int = 1
+    sync_batchnorm: bool = True
+
+    def __post_init__(self):
+        def check(field, value, allowed):
+            if value not in allowed:
+                raise ValueError(f"FSDPOptions.{field} = {value!r}: expected one of "
+                                 f"{', '.join(repr(a) for a in allowed)}")
+        check("sharding_strategy", self.sharding_strategy, SHARDING_STRATEGIES)
+        check("auto_wrap_policy", self.auto_wrap_policy, WRAP_POLICIES)
+        check("backward_prefetch", self.backward_prefetch, BACKWARD_PREFETCH)
+        for f in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+            check(f, getattr(self, f), tuple(DTYPES))
+        if self.auto_wrap_policy == "class" and not self.wrap_classes:
+            raise ValueError("FSDPOptions.auto_wrap_policy = 'class' needs wrap_classes, e.g. "
+                             "('GPTBlock',)")
+        if self.auto_wrap_policy == "size" and self.min_params < 1:
+            raise ValueError(f"FSDPOptions.auto_wrap_policy = 'size' needs min_params >= 1, got "
+                             f"{self.min_params!r}")
+        if not isinstance(self.grad_accum, int) or self.grad_accum < 1:
+            raise ValueError(f"FSDPOptions.grad_accum = {self.grad_accum!r}: expected an int >= 1 "
+                             "(the number of backward calls per step)")
+
+
+def wrapped_modules(model: nn.Module, opts: FSDPOptions) -> list[tuple[str, nn.Module]]:
+    """The (qualified name, module) pairs the auto-wrap policy makes units of (root excluded)."""
+    policy = opts.auto_wrap_policy
+    if policy == "none":
+        return []
+    if policy == "blocks":
+        out = []
+        for name, m in model.named_modules():
+            if isinstance(m, nn.ModuleList) and not any(name.startswith(b + ".") for b, _ in out):
+                out += [(f"{name}.{k}" if name else k, c) for k, c in m.named_children()]
+        return out
+    if policy == "class":
+        wanted = set(opts.wrap_classes)
+        out = [(n, m) for n, m in model.named_modules() if n and type(m).__name__ in wanted]
+        found = {type(m).__name__ for _, m in out}
+        if wanted - found:
+            names = sorted({type(m).__name__ for m in model.modules()})
+            raise ValueError(f"auto-wrap classes {sorted(wanted - found)} match no module of "
+                             f"{type(model).__name__}; its module classes are {names}")
+        return out
+    # "size": post-order, as torch's size_based_auto_wrap_policy: a module is wrapped when
+    # its trainable parameters not already inside a wrapped child reach min_params.
+    # A tied parameter counts once, where the walk meets it first.
+    out: list = []
+    seen: set = set()
+
+    def visit(name: str, m: nn.Module) -> int:
+        left = sum(visit(f"{name}.{k}" if name else k, c) for k, c in m.named_children())
+        for p in m.parameters(recurse=False):
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                left += p.numel()
+        if name and left >= opts.min_params:
+            out.append((name, m))
+            return 0
+        return left
+
+    visit("", model)
+    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    return sorted(out, key=lambda nm: order[nm[0]])
+
+
+def _groups(world, strategy: str):
+    """(shard communicator, replicate communicator or None) on the world's device."""
+    if strategy == "FULL_SHARD" or strategy == "SHARD_GRAD_OP" or world.size == 1:
+        return world.comm, None
+    if strategy == "NO_SHARD":
+        return SoloCommunicator(world.comm.device), world.comm
+    # HYBRID_SHARD: the runtime's node and cross-node groups (device ones on GPUs).
+    if world.comm is world.host:
+        return world.node, world.cross
+    node = world.comm.split(world.node_rank, key=world.rank)
+    cross = world.comm.split(world.local_rank, key=world.rank)
+    return node, cross
+
+
+class FSDP(ShardedModel):
+    """A model sharded by fsdp (the engine does the work)."""
+
+    def __init__(self, model, make_optimizer, world, units, frozen, opts: FSDPOptions,
+                 shard_comm, replicate_comm, schedule):
+        self.opts = opts
+        plan = ShardPlan(name="fsdp", stage=_STAGE[opts.sharding_strategy],
+                         grad_accum=opts.grad_accum, on_demand=schedule is not None,
+                         reduce_dtype=DTYPES[opts.reduce_dtype])
+        super().__init__(model, make_optimizer, world, units, frozen, plan, shard_comm,
+                         replicate_comm, schedule)
+
+
+def wrap(model: nn.Module, make_optimizer: OptimizerFactory, world,
+         options: FSDPOptions | None = None) -> Parallelized:
+    """Shard model and optimizer with fsdp (collective over the world)."""
+    opts = options or FSDPOptions()
+    wrapped = wrapped_modules(model, opts)  # a bad policy fails here, on every rank alike
+    model.to(world.device)
+    if opts.sync_batchnorm:  # batch statistics of the global batch, as in one process
+        model = convert_sync_batchnorm(model, world.comm)
+    broadcast_state(model, world.comm)
+    specs, frozen = partition_modules(model, wrapped)
+    shard_comm, replicate_comm = _groups(world, opts.sharding_strategy)
+    param_dtype = DTYPES[opts.param_dtype]
+    offload = opts.cpu_offload and world.device.type != "cpu"
+    if opts.cpu_offload and not offload and world.rank == 0:
+        print("hpctrain: fsdp cpu_offload is a no-op on CPU ranks (everything is on the host)",
+              flush=True)
+    mixed = any(param_dtype not in (None, p.dtype) for s in specs for _, p in s.params)
+    sharded = opts.sharding_strategy != "NO_SHARD" and shard_comm.size > 1
+    keep_full = not sharded and not mixed and not offload
+    units = [FlatUnit(s.name, s.params, shard_comm, keep_full=keep_full,
+                      compute_dtype=param_dtype, shard_device="cpu" if offload else None)
+             for s in specs]
+    schedule = None
+    if sharded:
+        schedule = GatherSchedule(specs, units,
+                                  reshard_after_forward=opts.sharding_strategy != "SHARD_GRAD_OP",
+                                  prefetch=opts.backward_prefetch == "BACKWARD_PRE")
+    buffer_dtype = DTYPES[opts.buffer_dtype]
+    if buffer_dtype is not None:
+        for b in model.buffers():
+            if b.is_floating_point():
+                b.data = b.data.to(buffer_dtype)
+    if param_dtype is not None:
+        cast_floating_inputs(model, param_dtype)
+    return FSDP(model, make_optimizer, world, units, frozen, opts, shard_comm, replicate_comm,
+                schedule)
+

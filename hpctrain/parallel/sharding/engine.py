@@ -1,0 +1,421 @@
+"""The sharded model: gradient reduction, sharded step, norms, checkpoints, memory report.
+
+Shared by zero (stages 1-3) and fsdp; a strategy picks the knobs (``ShardPlan``):
+
+- ``persistent_grads`` (zero1): full gradients live in one flat buffer per unit and are
+  reduce-scattered at the step; otherwise each unit's gradients are packed and
+  reduce-scattered as soon as they are all accumulated in the last micro-batch's backward,
+  and the full ones freed.
+- ``on_demand`` units (zero3, FULL_SHARD, SHARD_GRAD_OP) exist in full only while a
+  ``GatherSchedule`` needs them; the others keep their full buffer and are refreshed from
+  the shards after each step.
+- ``shard_comm`` shards the units; ``replicate_comm`` (HYBRID_SHARD, NO_SHARD) all-reduces
+  the reduce-scattered gradient shards over the replicas of each shard.
+
+Gradients are SUMMED (the loop weights each micro-batch by its share of the global batch).
+Collectives run in the same order on every rank as long as every rank's autograd graph has
+the same structure (the same parameters used), which data parallel training gives.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+import torch
+from torch import nn
+
+from hpctrain.parallel.base import Parallelized
+from hpctrain.parallel.flat_buffer import FlatUnit
+from hpctrain.parallel.sharded_optim import preserve_elements
+
+__all__ = ["ShardPlan", "ShardedModel", "broadcast_state", "nbytes"]
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """How a ShardedModel treats its units (see the module docstring)."""
+
+    name: str
+    stage: int                        # the ZeRO stage it corresponds to (memory report)
+    grad_accum: int = 1
+    persistent_grads: bool = False
+    on_demand: bool = False
+    reduce_dtype: torch.dtype | None = None
+
+
+class _UnitState:
+    """Per-step bookkeeping of one unit's gradients."""
+
+    def __init__(self, unit: FlatUnit):
+        self.unit = unit
+        self.had = [False] * len(unit.slots)   # got a gradient this step (this rank)
+        self.arrived: set = set()              # slots whose grad arrived this micro-batch
+        self.flat = None                       # packed gradients being collected
+        self.reduced = False                   # reduce-scattered during the last backward
+        self.grad_buf = None                   # persistent_grads: the flat gradient buffer
+
+
+class ShardedModel(Parallelized):
+    """A model whose trainable parameters, gradients and optimizer state are sharded."""
+
+    def __init__(self, model, make_optimizer, world, units, frozen, plan: ShardPlan,
+                 shard_comm=None, replicate_comm=None, schedule=None):
+        self.name = plan.name
+        self.plan = plan
+        self.world = world
+        self.comm = shard_comm if shard_comm is not None else world.comm
+        self.replicate = replicate_comm if replicate_comm is not None and replicate_comm.size > 1 \
+            else None
+        self.units = units
+        self.frozen = frozen
+        self.schedule = schedule
+        self._states = [_UnitState(u) for u in units]
+        self._micro = 0
+        self._final = True
+        self._peak_transient = 0
+        self._grad_bytes = 0
+        super().__init__(model, make_optimizer([u.shard for u in units]))
+        for i, st in enumerate(self._states):
+            u = st.unit
+            if plan.persistent_grads:
+                # Autograd accumulates in place into preset .grad views of one flat buffer.
+                st.grad_buf = torch.zeros_like(u.full)
+                for s in u.slots:
+                    s.param.grad = st.grad_buf[s.offset:s.offset + s.numel].view(s.shape)
+                u.shard.grad = st.grad_buf[u.lo:u.hi]
+            for j, s in enumerate(u.slots):
+                s.param.register_post_accumulate_grad_hook(partial(self._on_grad, i, j))
+
+    # ---- backward ----------------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate gradients of loss; on a step's last micro-batch reduce them per unit."""
+        self._final = self._micro + 1 >= self.plan.grad_accum
+        for st in self._states:
+            st.arrived = set()
+        loss.backward()
+        if self.schedule is not None:
+            self.schedule.reset_order()
+        self._micro += 1
+
+    def _on_grad(self, i: int, j: int, param: nn.Parameter) -> None:
+        st = self._states[i]
+        st.had[j] = True
+        if self.plan.persistent_grads:
+            return
+        st.arrived.add(j)
+        if len(st.arrived) == len(st.unit.slots):
+            # Its backward is over (every use of its params is done): free the gathered
+            # params BEFORE the flat gradient is allocated, so the two never coexist.
+            if self.plan.on_demand:
+                st.unit.free()
+            if self._final:  # non-final micro-batches accumulate locally: no communication
+                for k in range(len(st.unit.slots)):
+                    self._pack(st, k)
+                self._reduce(st)
+                st.reduced = True
+
+    def _pack(self, st: _UnitState, j: int) -> None:
+        """Move slot j's gradient into the unit's flat buffer and free it."""
+        u, s = st.unit, st.unit.slots[j]
+        if st.flat is None:
+            st.flat = torch.zeros(u.padded, dtype=self.plan.reduce_dtype or u.full.dtype,
+                                  device=u.full.device)
+        st.flat[s.offset:s.offset + s.numel].copy_(s.param.grad.reshape(-1))
+        s.param.grad = None
+        self._peak_transient = max(self._peak_transient, st.flat.numel() * st.flat.element_size())
+
+    def _reduce(self, st: _UnitState) -> None:
+        """Reduce-scatter the unit's flat gradient (SUM) into its shard gradient (collective
+        over the shard group, then an all-reduce over the replicas)."""
+        u = st.unit
+        flat = st.flat
+        if flat is None:
+            flat = u.flat_grad(torch.zeros(u.padded, dtype=self.plan.reduce_dtype or u.full.dtype,
+                                           device=u.full.device))
+        st.flat = None
+        # One rank per shard group: the shard is the whole buffer, no copy needed.
+        part = flat if self.comm.size == 1 else self.comm.reduce_scatter(flat, op="sum")
+        del flat
+        if self.replicate is not None:
+            self.replicate.allreduce(part, op="sum")
+        if part.dtype != u.shard.dtype or part.device != u.shard.device:
+            part = part.to(u.shard.device, u.shard.dtype)  # fp32 master / host shard
+        if u.shard.grad is None:
+            u.shard.grad = part
+        else:
+            u.shard.grad.add_(part)
+
+    def _sync_grads(self) -> None:
+        # Reduce what the hooks did not: persistent gradients always, other units with a
+        # parameter that got no gradient in the last backward (or leftovers of earlier
+        # micro-batches). Whether a hook reduced a unit is the same on every rank: it was a
+        # collective.
+        for st in self._states:
+            u = st.unit
+            if self.plan.persistent_grads:
+                for s in u.slots:  # someone called zero_grad(): point .grad back at the buffer
+                    view = st.grad_buf[s.offset:s.offset + s.numel]
+                    g = s.param.grad
+                    if g is None:
+                        view.zero_()
+                    elif g.data_ptr() != view.data_ptr():
+                        view.copy_(g.reshape(-1))
+                    s.param.grad = view.view(s.shape)
+                tmp = self.comm.reduce_scatter(st.grad_buf, op="sum")
+                st.grad_buf[u.lo:u.hi].copy_(tmp)
+                continue
+            if not st.reduced:
+                for j, s in enumerate(u.slots):
+                    if s.param.grad is not None:
+                        self._pack(st, j)
+                self._reduce(st)
+            st.reduced = False
+            if self.plan.on_demand:
+                u.free()
+            if u.shard.grad is None:
+                u.shard.grad = torch.zeros_like(u.shard)
+
+    # ---- the step ----------------------------------------------------------------------
+
+    def _untouched(self) -> dict:
+        """{shard: shard-local ranges} of parameters that got no gradient on ANY rank."""
+        had = torch.tensor([h for st in self._states for h in st.had], dtype=torch.uint8)
+        if len(had):
+            self.world.host.allreduce(had, op="max")
+        flags, out, k = had.tolist(), {}, 0
+        for st in self._states:
+            n = len(st.unit.slots)
+            idle = [s for s, f in zip(st.unit.slots, flags[k:k + n]) if not f]
+            out[st.unit.shard] = st.unit.owned_ranges(idle)
+            k += n
+        return out
+
+    def _agree_on_inf(self, scaler) -> None:
+        # Each rank unscaled only its shard; an inf in another rank's shard must skip the
+        # step here too. (GradScaler keeps found_inf per optimizer in this private table.)
+        found = scaler._per_optimizer_states[id(self.optimizer)]["found_inf_per_device"]
+        for t in found.values():
+            if t.device == self.world.comm.device:
+                self.world.comm.allreduce(t, op="max")
+            else:  # offloaded shards are unscaled on the host
+                self.world.host.allreduce(t, op="max")
+
+    def _shard_sum(self, values: list[float]) -> list[float]:
+        """Sum per-rank numbers over one copy of the shards (the shard group)."""
+        return self.comm.allreduce_scalars(values) if self.comm.size > 1 else values
+
+    def _grad_norm(self) -> float:
+        sq = sum(float(u.shard.grad.detach().double().pow(2).sum()) for u in self.units
+                 if u.shard.grad is not None)
+        return math.sqrt(self._shard_sum([sq])[0])
+
+    def _clip(self, max_norm: float) -> float:
+        norm = self._grad_norm()
+        if math.isfinite(norm) and norm > max_norm:
+            for u in self.units:
+                if u.shard.grad is not None:
+                    u.shard.grad.mul_(max_norm / (norm + 1e-6))
+        return norm
+
+    def _refresh(self, u: FlatUnit) -> None:
+        """Make a unit that keeps its full buffer see the stepped shard."""
+        if u.keep_full:
+            if self.comm.size > 1:
+                u.gather()  # params are views of the full buffer: the model sees the step
+        else:  # a full buffer of another dtype/device: re-fill it (the same storage)
+            u.free()
+            u.gather()
+
+    def step(self, scaler=None, max_grad_norm: float = 0.0) -> None:
+        """Reduce-scatter gradients, unscale/clip over shards, step the shards, re-gather."""
+        self._sync_grads()
+        untouched = self._untouched()
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)
+            self._agree_on_inf(scaler)
+        if max_grad_norm > 0:
+            self._clip(max_grad_norm)
+        with preserve_elements(self.optimizer, untouched):
+            self._optimizer_step(scaler)
+        # Measured, not assumed: every gradient tensor alive at the step.
+        self._grad_bytes = nbytes([u.shard.grad for u in self.units if u.shard.grad is not None]
+                                  + [st.grad_buf for st in self._states if st.grad_buf is not None]
+                                  + [s.param.grad for u in self.units for s in u.slots
+                                     if s.param.grad is not None])
+        for st in self._states:
+            if self.plan.persistent_grads:
+                st.grad_buf.zero_()
+            else:
+                st.unit.shard.grad = None
+            st.had = [False] * len(st.unit.slots)
+            if not self.plan.on_demand:
+                self._refresh(st.unit)
+        self._micro = 0
+
+    # ---- checkpoints: sharded tensors as flat element ranges of the GLOBAL tensors -----
+
+    def _slot_of(self) -> dict:
+        return {id(s.param): (u, s) for u in self.units for s in u.slots}
+
+    def _writes(self) -> bool:
+        """Whether this rank writes its shards: one replica of each shard group does."""
+        return self.replicate is None or self.replicate.rank == 0
+
+    def _shard_entry(self, name: str, shape: tuple, flat: torch.Tensor, elems: tuple):
+        """An Entry for this rank's elements of a sharded tensor (see state_entries)."""
+        from hpctrain.checkpoint.layout import Entry
+
+        a, b = elems
+        if self.comm.size == 1:  # not sharded (NO_SHARD, one rank): the writer splits it
+            return Entry(name, shape, flat.dtype, flat.reshape(shape))
+        if not self._writes():
+            return Entry(name, shape, flat.dtype, flat[:0], elems=(a, a))
+        return Entry(name, shape, flat.dtype, flat, elems=(a, b))
+
+    def state_entries(self) -> list:
+        """Checkpoint entries named as base.py names them; shards give their owned elements."""
+        from hpctrain.checkpoint.layout import Entry
+
+        slot_of, entries, seen = self._slot_of(), [], set()
+        for key, t in self.model.state_dict(keep_vars=True).items():
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            if id(t) in slot_of:
+                u, s = slot_of[id(t)]
+                elems, view = u.shard_view(s)
+                entries.append(self._shard_entry(f"model/{key}", s.shape, view, elems))
+            else:
+                entries.append(Entry(f"model/{key}", tuple(t.shape), t.dtype, t.detach()))
+        for u in self.units:
+            state = self.optimizer.state.get(u.shard, {})
+            for s in u.slots:
+                (a, b), _ = u.shard_view(s)
+                start = s.offset + a - u.lo
+                for k, v in sorted(state.items()):
+                    if not torch.is_tensor(v):
+                        continue
+                    name = f"optim/{s.name}/{k}"
+                    if v.shape == u.shard.shape:
+                        entries.append(self._shard_entry(name, s.shape,
+                                                         v.detach()[start:start + (b - a)], (a, b)))
+                    else:  # a per-shard scalar such as Adam's step: the same on every rank
+                        entries.append(Entry(name, tuple(v.shape), v.dtype, v.detach()))
+        return entries
+
+    def state_meta(self) -> dict:
+        """As base.py, with the parameter names behind the flat shards in the groups."""
+        meta = super().state_meta()
+        names = [s.name for u in self.units for s in u.slots]
+        for g in meta["optim_param_groups"]:
+            g["params"] = names
+        return meta
+
+    def load_state_entries(self, reader) -> None:
+        """Load this rank's shards and replicated tensors from a checkpoint of any strategy."""
+        import json
+
+        from hpctrain.checkpoint.layout import from_numpy
+
+        slot_of, seen = self._slot_of(), set()
+        with torch.no_grad():
+            for key, t in self.model.state_dict(keep_vars=True).items():
+                if id(t) in seen:
+                    continue
+                seen.add(id(t))
+                name = f"model/{key}"
+                if id(t) in slot_of:
+                    u, s = slot_of[id(t)]
+                    elems, view = u.shard_view(s)
+                    a = reader.read(name, s.shape, elems=elems)
+                    if a is not None and view.numel():
+                        view.copy_(from_numpy(a, view.dtype).reshape(view.shape))
+                else:
+                    a = reader.read(name, tuple(t.shape))
+                    if a is not None:
+                        t.detach().copy_(from_numpy(a, t.dtype).reshape(t.shape))
+            for u in self.units:
+                if not self.plan.on_demand:
+                    self._refresh(u)
+        saved = json.loads(reader.attrs.get("optim_class", '""'))
+        if saved != self._optim_class():
+            reader.fail(f"optimizer is {self._optim_class()} but the checkpoint holds {saved} "
+                        f"state; resume with --optimizer matching the checkpoint")
+            return
+        for u in self.units:
+            state = {}
+            for s in u.slots:
+                (a, b), _ = u.shard_view(s)
+                start = s.offset + a - u.lo
+                for k in reader.keys(f"optim/{s.name}"):
+                    name = f"optim/{s.name}/{k}"
+                    dtype = getattr(torch, reader.dataset(name).attrs["torch_dtype"])
+                    if tuple(reader.dataset(name).shape) != tuple(s.shape):
+                        arr = reader.read(name)  # a scalar (Adam's step), kept on the CPU
+                        if arr is not None:
+                            state[k] = from_numpy(np.asarray(arr), dtype).clone()
+                        continue
+                    arr = reader.read(name, s.shape, elems=(a, b))
+                    buf = state.setdefault(k, torch.zeros(u.shard.shape, dtype=dtype,
+                                                          device=u.shard.device))
+                    if arr is not None and b > a:
+                        buf[start:start + (b - a)].copy_(from_numpy(arr, dtype))
+            if state:
+                self.optimizer.state[u.shard] = state
+        self._load_param_groups(reader)
+
+    # ---- norms and memory --------------------------------------------------------------
+
+    def param_norm(self) -> float:
+        """Global L2 norm of all parameters: shards summed over ranks, frozen ones once."""
+        with torch.no_grad():
+            sq = sum(float(u.shard.detach().double().pow(2).sum()) for u in self.units)
+            sq = self._shard_sum([sq])[0]
+            sq += sum(float(p.detach().double().pow(2).sum()) for _, p in self.frozen)
+        return math.sqrt(sq)
+
+    def memory_report(self) -> dict:
+        """Bytes this rank holds for trainable params and optimizer state, the gradients alive
+        at the last step, the largest transient buffers (a gathered unit, a gradient bucket)
+        and the frozen (replicated) params."""
+        on_demand = self.plan.on_demand
+        params = nbytes([u.full for u in self.units if not on_demand] +
+                        [u.shard for u in self.units])
+        optim = nbytes([v for st in self.optimizer.state.values() for v in st.values()
+                        if torch.is_tensor(v)])
+        gathered = max(u.full_bytes() for u in self.units) if on_demand else 0
+        return {"stage": self.plan.stage, "strategy": self.name, "world_size": self.world.size,
+                "shard_group": self.comm.size,
+                "replicas": self.replicate.size if self.replicate is not None else 1,
+                "trainable_numel": sum(u.numel for u in self.units),
+                "padded_numel": sum(u.padded for u in self.units),
+                "params": params, "grads": self._grad_bytes, "optimizer": optim,
+                "largest_gathered_unit": gathered,
+                "peak_gathered": self.schedule.peak_gathered if self.schedule else 0,
+                "transient_grad_bucket": self._peak_transient,
+                "frozen_params": nbytes([p for _, p in self.frozen])}
+
+
+def nbytes(tensors) -> int:
+    """Bytes of the distinct storages behind tensors (views of one buffer counted once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen and st.nbytes():
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+    return total
+
+
+def broadcast_state(model: nn.Module, comm) -> None:
+    """Parameters and buffers from rank 0, so a model with random init agrees everywhere."""
+    seen = set()
+    with torch.no_grad():
+        for t in model.state_dict(keep_vars=True).values():
+            if id(t) not in seen and t.numel():
+                seen.add(id(t))
+                comm.broadcast(t.detach(), root=0)

@@ -1,0 +1,111 @@
+"""Under mpirun: fsdp's per-rank memory after a step matches the ZeRO fp32-Adam formulas for
+each sharding strategy; gathered params and full grads really are freed; backward prefetch
+gathers the next unit ahead; non-final micro-batches do not communicate gradients."""
+
+import sys
+
+import torch
+
+from hpctrain.models.gpt import GPT, lm_loss
+from hpctrain.parallel.fsdp import FSDPOptions, wrap
+from hpctrain.runtime.world import init_world
+
+world = init_world()
+N = world.size
+PER_NODE = world.local_size
+
+
+def make_opt(params):
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+
+
+def formula(strategy, psi):
+    """(params, grads, optimizer) bytes per rank held after a step, fp32 Adam."""
+    shards = {"FULL_SHARD": N, "SHARD_GRAD_OP": N, "NO_SHARD": 1, "HYBRID_SHARD": PER_NODE}[strategy]
+    return 4 * psi / shards, 4 * psi / shards, 8 * psi / shards
+
+
+class Counting:
+    """Wraps a communicator and counts the gradient collectives that go through it."""
+
+    def __init__(self, comm):
+        self.comm, self.calls = comm, []
+
+    def __getattr__(self, name):
+        attr = getattr(self.comm, name)
+        if name in ("reduce_scatter", "allreduce"):
+            def counted(*a, **k):
+                self.calls.append(name)
+                return attr(*a, **k)
+            return counted
+        return attr
+
+
+torch.manual_seed(0)
+tokens = torch.randint(0, 67, (4, 33))
+x, y = tokens[:, :-1], tokens[:, 1:]
+peaks = {}
+for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"):
+    for prefetch in ("BACKWARD_PRE", "NONE"):
+        if prefetch == "NONE" and strategy != "FULL_SHARD":
+            continue
+        torch.manual_seed(0)
+        model = GPT(vocab=67, d_model=48, heads=4, layers=4, seq_len=32)
+        psi = sum(p.numel() for p in model.parameters() if p.requires_grad)  # tied once
+        opts = FSDPOptions(sharding_strategy=strategy, backward_prefetch=prefetch, grad_accum=2)
+        par = wrap(model, make_opt, world, opts)
+        sharded = strategy != "NO_SHARD"
+        # Micro-batch 1 of 2: gradients accumulate locally, no gradient communication.
+        par.comm = Counting(par.comm)
+        if par.replicate is not None:
+            par.replicate = Counting(par.replicate)
+        out = par.model(x)
+        if strategy in ("FULL_SHARD", "HYBRID_SHARD"):  # resharded after forward
+            held = [u.full.untyped_storage().nbytes() for u in par.units]
+            assert held == [0] * len(held), f"{strategy} kept gathered units after forward: {held}"
+        if strategy == "SHARD_GRAD_OP":  # kept from forward to backward
+            assert all(u.gathered for u in par.units), strategy
+        par.backward(lm_loss(out, y) / (2 * N))
+        counted = par.comm.calls + (par.replicate.calls if par.replicate is not None else [])
+        assert counted == [], f"{strategy}: non-final micro-batch communicated {counted}"
+        assert all(p.grad is not None for p in model.parameters()), strategy
+        # Micro-batch 2 of 2: every unit's gradients reduced during backward, full ones freed.
+        par.backward(lm_loss(par.model(x), y) / (2 * N))
+        counted = par.comm.calls + (par.replicate.calls if par.replicate is not None else [])
+        assert counted, f"{strategy}: the final micro-batch reduced nothing"
+        left = [n for n, p in model.named_parameters() if p.grad is not None]
+        assert not left, f"{strategy} kept full gradients after backward: {left}"
+        if sharded and par.comm.size > 1:
+            held = [u.full.untyped_storage().nbytes() for u in par.units]
+            assert held == [0] * len(held), f"{strategy} kept gathered units after backward"
+        par.comm = par.comm.comm
+        if par.replicate is not None:
+            par.replicate = par.replicate.comm
+        par.step()
+        rep = par.memory_report()
+        assert rep["trainable_numel"] == psi, (rep, psi)
+        pad = 4 * (rep["padded_numel"] - psi)
+        steps = 4 * len(par.units)  # AdamW's scalar step count per shard
+        for key, want, slack in zip(("params", "grads", "optimizer"), formula(strategy, psi),
+                                    (pad, pad, 2 * pad + steps)):
+            got = rep[key]
+            assert abs(got - want) <= 0.1 * want + slack, (
+                f"{strategy} at {N} ranks: {key} = {got} bytes, formula {want:.0f} "
+                f"(+-10% + padding {slack}); report {rep}")
+        peaks[(strategy, prefetch)] = rep["peak_gathered"]
+        if world.rank == 0:
+            print(f"fsdp {strategy} prefetch={prefetch} N={N}: psi={psi} {rep}", flush=True)
+        unit_bytes = sorted(u.full_bytes() for u in par.units)
+        if strategy == "FULL_SHARD" and N > 1:
+            # Backward holds the root, the unit it computes and (prefetch) the next one.
+            root = par.units[-1].full_bytes()
+            block = unit_bytes[-1] if unit_bytes[-1] != root else unit_bytes[-2]
+            limit = root + (2 if prefetch == "BACKWARD_PRE" else 1) * block
+            assert rep["peak_gathered"] <= limit, (prefetch, rep["peak_gathered"], limit)
+            assert rep["peak_gathered"] < 4 * psi, rep
+if N > 1:
+    # Prefetch really gathers ahead: one more unit is in memory at once than without it.
+    assert peaks[("FULL_SHARD", "BACKWARD_PRE")] > peaks[("FULL_SHARD", "NONE")], peaks
+    # SHARD_GRAD_OP holds every unit at the end of forward.
+    assert peaks[("SHARD_GRAD_OP", "BACKWARD_PRE")] >= 4 * psi, peaks
+print("fsdp memory ok", world.rank, file=sys.stderr)
