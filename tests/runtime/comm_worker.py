@@ -96,6 +96,15 @@ def check_gather_scatter(comm):
             got = comm.reduce_scatter(t, out=out, op="avg")
             expect(got, (want_full.double() / n)[3 * r:3 * r + 3].to(dt),
                    f"reduce_scatter avg {dt}")
+    # Large float tensors take the ring path (>= 256 KiB): every op, exact small integers.
+    big = torch.arange(n * 40_000, dtype=torch.float64).remainder(16)[:, None].expand(-1, 2)
+    for dt in (torch.float32, torch.float64, torch.bfloat16):
+        t = (big + r).to(dt).contiguous()
+        mine = slice(40_000 * r, 40_000 * (r + 1))
+        cases = {"sum": big * n + n * (n - 1) // 2, "max": big + n - 1, "min": big,
+                 "avg": big + (n - 1) / 2}
+        for op, full in cases.items():
+            expect(comm.reduce_scatter(t, op=op), full[mine].to(dt), f"ring reduce_scatter {op} {dt}")
     for dt in DTYPES + (torch.bool,):
         # Chunk j of rank r is 10 * r + j and goes to rank j.
         t = (10 * r + torch.arange(n)).repeat_interleave(2)

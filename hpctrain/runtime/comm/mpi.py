@@ -22,6 +22,13 @@ _MPI_TYPES = {
 _HALF_TYPES = (torch.float16, torch.bfloat16)
 
 _MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
+# In-place `a op= b` for the ring reduce-scatter.
+_COMBINE = {
+    "sum": torch.Tensor.add_, "avg": torch.Tensor.add_, "prod": torch.Tensor.mul_,
+    "max": lambda a, b: torch.maximum(a, b, out=a), "min": lambda a, b: torch.minimum(a, b, out=a),
+}
+_RING_BYTES = 256 * 1024  # smaller reductions: MPI's own algorithm (latency-bound anyway)
+_RING_TAG = 30_001        # p2p tag of the ring steps (pipeline/domain use small tags)
 
 
 def _as_buffer(tensor: torch.Tensor) -> list:
@@ -88,9 +95,29 @@ class MPICommunicator(Communicator):
             self._reduce_scatter(tensor.float(), tmp, op)
             out.copy_(tmp)
             return
-        self.comm.Reduce_scatter_block(_as_buffer(tensor), _as_buffer(out), op=_MPI_OPS[op])
+        if tensor.numel() * tensor.element_size() >= _RING_BYTES and tensor.is_floating_point():
+            self._ring_reduce_scatter(tensor.reshape(self.size, -1), out.view(-1), op)
+        else:
+            self.comm.Reduce_scatter_block(_as_buffer(tensor), _as_buffer(out), op=_MPI_OPS[op])
         if op == "avg":
             out.div_(self.size)
+
+    def _ring_reduce_scatter(self, chunks: torch.Tensor, out: torch.Tensor, op: str) -> None:
+        """Ring reduce-scatter: p-1 Sendrecv steps of one chunk each, two chunk-sized
+        temporaries. Open MPI's Reduce_scatter_block may reduce the whole vector on one rank
+        first (a full-size temporary there), which is what ZeRO's memory budget cannot afford."""
+        p, r = self.size, self.rank
+        right, left = (r + 1) % p, (r - 1) % p
+        acc = chunks[(r - 1) % p].clone()
+        tmp = torch.empty_like(acc)
+        combine = _COMBINE[op]
+        for s in range(p - 1):
+            recv = out if s == p - 2 else tmp  # the last step lands in out: one temporary less
+            self.comm.Sendrecv(_as_buffer(acc), dest=right, sendtag=_RING_TAG,
+                               recvbuf=_as_buffer(recv), source=left, recvtag=_RING_TAG)
+            combine(recv, chunks[(r - s - 2) % p])
+            if recv is tmp:
+                acc, tmp = tmp, acc
 
     def _broadcast(self, tensor, root):
         self.comm.Bcast(_as_buffer(tensor), root=root)
