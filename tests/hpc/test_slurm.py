@@ -104,12 +104,15 @@ def _start_requeued(slurm, job, timeout=120):
     """SLURM holds a requeued job ~120 s (BeginTime); start it now to keep the test short.
 
     Restarts counts up when the requeue is requested, while the first run is still ending
-    (RUNNING, COMPLETING...): only PENDING means the requeued job is waiting.
+    (RUNNING, COMPLETING...): only PENDING means the requeued job is waiting. slurmd revokes
+    the first run's credential with a one-second timestamp; a relaunch within that same second
+    is refused ("Job credential revoked") and the job fails, so let a few seconds pass first.
     """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if slurm.job_field(job, "Restarts") not in ("", "0") and \
                 slurm.job_state(job) == "PENDING":
+            time.sleep(3)
             slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
             return
         time.sleep(0.2)
