@@ -125,21 +125,23 @@ class Parallelized:
 
     def state_meta(self) -> dict:
         """JSON-able facts the loader needs: tied-key aliases, optimizer class and groups."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        return self._state_meta(self.model, lambda g: [names[id(p)] for p in g["params"]
+                                                       if id(p) in names])
+
+    def _state_meta(self, module: nn.Module, group_param_names) -> dict:
+        """state_meta of `module` (the whole model); group_param_names(group) -> names."""
         first, aliases = {}, {}
-        for key, t in self.model.state_dict(keep_vars=True).items():
+        for key, t in module.state_dict(keep_vars=True).items():
             aliases.update({key: first[id(t)]} if id(t) in first else {})
             first.setdefault(id(t), key)
-        names = {id(p): n for n, p in self.model.named_parameters()}
         groups = [{**{k: v for k, v in g.items() if k != "params" and _jsonable(v)},
-                   "params": [names[id(p)] for p in g["params"] if id(p) in names]}
-                  for g in self.optimizer.param_groups]
+                   "params": group_param_names(g)} for g in self.optimizer.param_groups]
         return {"model_aliases": aliases, "optim_class": self._optim_class(),
                 "optim_param_groups": groups}
 
     def load_state_entries(self, reader) -> None:
         """Load model and optimizer state from a checkpoint reader (errors collected by it)."""
-        import json
-
         from hpctrain.checkpoint.layout import from_numpy
 
         with torch.no_grad():
@@ -148,12 +150,27 @@ class Parallelized:
                     a = reader.read(e.name, e.shape)
                     if a is not None:
                         e.local.copy_(from_numpy(a, e.dtype).reshape(e.shape))
+        self._load_optimizer_state(reader, self.model.named_parameters())
+
+    def _optim_class_matches(self, reader) -> bool:
+        """False (and the reader told why) if the checkpoint holds another optimizer's state."""
+        import json
+
         saved = json.loads(reader.attrs.get("optim_class", '""'))
         if saved != self._optim_class():
             reader.fail(f"optimizer is {self._optim_class()} but the checkpoint holds {saved} "
                         f"state; resume with --optimizer matching the checkpoint")
+            return False
+        return True
+
+    def _load_optimizer_state(self, reader, named_params) -> None:
+        """Load per-parameter optimizer state (``optim/<name>/<key>``) and the param groups;
+        ``named_params`` yields (name in the checkpoint, local parameter)."""
+        from hpctrain.checkpoint.layout import from_numpy
+
+        if not self._optim_class_matches(reader):
             return
-        for name, p in self.model.named_parameters():
+        for name, p in named_params:
             group = f"optim/{name}"
             state = {}
             for k in reader.keys(group):

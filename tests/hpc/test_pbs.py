@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from tests.hpc.conftest import copy_job, job_env
+from tests.hpc.procs import session_procs
 
 pytestmark = pytest.mark.mpi
 
@@ -93,19 +94,11 @@ def test_pbs_script_under_emulated_pals(reference, tmp_path, name):
 def _rank_pids(session_id):
     """PIDs of this job's hpctrain ranks: processes in the script's session (PBS signals those)."""
     pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            if os.getsid(int(entry)) != session_id:
-                continue
-            with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                cmd = fh.read().split(b"\0")
-        except (OSError, ProcessLookupError):
-            continue
+    for pid, data in session_procs(session_id, "cmdline"):
+        cmd = data.split(b"\0")
         if b"hpctrain" in cmd and b"train" in cmd and b"-m" in cmd and not any(
                 c.endswith((b"mpirun", b"pals-rank")) for c in cmd[:1]):
-            pids.append(int(entry))
+            pids.append(pid)
     return pids
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from hpctrain.train.preemption import (PREEMPT_EXIT_CODE, Preempted, Preemption,
                                        requeue_command)
+from tests.hpc.procs import session_procs
 from tests.mpirun import mpi_env
 
 
@@ -142,17 +143,8 @@ def test_one_signalled_rank_stops_all_at_the_same_step(reference, tmp_path):
 
 def _rank_pid(session_id, rank):
     """PID of the hpctrain rank `rank` among the processes of session `session_id`."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            if os.getsid(int(entry)) != session_id:
-                continue
-            with open(f"/proc/{entry}/environ", "rb") as fh:
-                pairs = [kv.split(b"=", 1) for kv in fh.read().split(b"\0") if b"=" in kv]
-            environ = dict(pairs)
-        except (OSError, ProcessLookupError):
-            continue
+    for pid, data in session_procs(session_id, "environ"):
+        environ = dict(kv.split(b"=", 1) for kv in data.split(b"\0") if b"=" in kv)
         if environ.get(b"OMPI_COMM_WORLD_RANK") == rank.encode():
-            return int(entry)
+            return pid
     raise AssertionError(f"no rank {rank} in session {session_id}")

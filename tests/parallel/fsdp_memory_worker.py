@@ -9,6 +9,7 @@ import torch
 from hpctrain.models.gpt import GPT, lm_loss
 from hpctrain.parallel.fsdp import FSDPOptions, wrap
 from hpctrain.runtime.world import init_world
+from tests.parallel.memory_check import check_report
 
 world = init_world()
 N = world.size
@@ -83,15 +84,7 @@ for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"):
             par.replicate = par.replicate.comm
         par.step()
         rep = par.memory_report()
-        assert rep["trainable_numel"] == psi, (rep, psi)
-        pad = 4 * (rep["padded_numel"] - psi)
-        steps = 4 * len(par.units)  # AdamW's scalar step count per shard
-        for key, want, slack in zip(("params", "grads", "optimizer"), formula(strategy, psi),
-                                    (pad, pad, 2 * pad + steps)):
-            got = rep[key]
-            assert abs(got - want) <= 0.1 * want + slack, (
-                f"{strategy} at {N} ranks: {key} = {got} bytes, formula {want:.0f} "
-                f"(+-10% + padding {slack}); report {rep}")
+        check_report(f"{strategy} at {N} ranks", rep, psi, len(par.units), formula(strategy, psi))
         peaks[(strategy, prefetch)] = rep["peak_gathered"]
         if world.rank == 0:
             print(f"fsdp {strategy} prefetch={prefetch} N={N}: psi={psi} {rep}", flush=True)

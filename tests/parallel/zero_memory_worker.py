@@ -8,6 +8,7 @@ import torch
 from hpctrain.models.gpt import GPT, lm_loss
 from hpctrain.parallel.zero import ZeroOptions, wrap
 from hpctrain.runtime.world import init_world
+from tests.parallel.memory_check import check_report
 
 world = init_world()
 N = world.size
@@ -42,15 +43,7 @@ for stage in (1, 2, 3):
         assert not left, f"stage {stage} kept full gradients after backward: {left}"
     par.step()
     rep = par.memory_report()
-    assert rep["trainable_numel"] == psi, (rep, psi)
-    pad = 4 * (rep["padded_numel"] - psi)
-    steps = 4 * len(par.units)  # AdamW's scalar step count per shard
-    for key, want, slack in zip(("params", "grads", "optimizer"), formula(stage, psi),
-                                (pad, pad, 2 * pad + steps)):
-        got = rep[key]
-        assert abs(got - want) <= 0.1 * want + slack, (
-            f"stage {stage} at {N} ranks: {key} = {got} bytes, formula {want:.0f} "
-            f"(+-10% + padding {slack}); report {rep}")
+    check_report(f"stage {stage} at {N} ranks", rep, psi, len(par.units), formula(stage, psi))
     total = rep["params"] + rep["grads"] + rep["optimizer"]
     if N > 1:
         assert total < 16 * psi, f"stage {stage}: {total} bytes is no less than DDP's {16 * psi}"

@@ -10,6 +10,7 @@ their own tag, so their order is the schedule's order (MPI never overtakes on on
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import torch
@@ -60,8 +61,6 @@ class StageLinks:
                 raise RuntimeError(f"pipeline: stage {stage} has not produced message tag {tag} "
                                    "yet; the schedule is out of order")
             return q.popleft()
-        import time
-
         t0 = time.perf_counter()
         self.comm.recv(out, src, tag)
         self.recv_wait += time.perf_counter() - t0

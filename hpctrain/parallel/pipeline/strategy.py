@@ -172,15 +172,8 @@ class Pipelined(Parallelized):
 
     def state_meta(self) -> dict:
         whole = self._whole()
-        first, aliases = {}, {}
-        for key, t in whole.state_dict(keep_vars=True).items():
-            aliases.update({key: first[id(t)]} if id(t) in first else {})
-            first.setdefault(id(t), key)
         names = [n for n, _ in whole.named_parameters()]
-        groups = [{**{k: v for k, v in g.items() if k != "params" and _jsonable(v)},
-                   "params": names} for g in self.optimizer.param_groups]
-        return {"model_aliases": aliases, "optim_class": self._optim_class(),
-                "optim_param_groups": groups}
+        return self._state_meta(whole, lambda g: names)
 
     def load_state_entries(self, reader) -> None:
         """Load this rank's layers (tied copies from their owner's name) and their optimizer
@@ -193,29 +186,8 @@ class Pipelined(Parallelized):
                 a = reader.read(f"model/{tied.get(key, key)}", tuple(t.shape))
                 if a is not None:
                     t.copy_(from_numpy(a, t.dtype).reshape(t.shape))
-        saved = json.loads(reader.attrs.get("optim_class", '""'))
-        if saved != self._optim_class():
-            reader.fail(f"optimizer is {self._optim_class()} but the checkpoint holds {saved} "
-                        f"state; resume with --optimizer matching the checkpoint")
-            return
-        for name, p in self.model.named_parameters():
-            group = f"optim/{tied.get(name, name)}"
-            state = {}
-            for k in reader.keys(group):
-                a = reader.read(f"{group}/{k}")
-                if a is None:
-                    continue
-                dtype = getattr(torch, reader.dataset(f"{group}/{k}").attrs["torch_dtype"])
-                t = from_numpy(a, dtype)
-                state[k] = t.clone() if t.dim() == 0 else t.reshape(p.shape).to(p.device).clone()
-            if state:
-                self.optimizer.state[p] = state
-        self._load_param_groups(reader)
-
-
-def _jsonable(v) -> bool:
-    return v is None or isinstance(v, (bool, int, float, str)) or (
-        isinstance(v, (tuple, list)) and all(isinstance(x, (int, float)) for x in v))
+        self._load_optimizer_state(
+            reader, ((tied.get(name, name), p) for name, p in self.model.named_parameters()))
 
 
 def _allgather_json(comm, obj) -> list:

@@ -317,8 +317,6 @@ class ShardedModel(Parallelized):
 
     def load_state_entries(self, reader) -> None:
         """Load this rank's shards and replicated tensors from a checkpoint of any strategy."""
-        import json
-
         from hpctrain.checkpoint.layout import from_numpy
 
         slot_of, seen = self._slot_of(), set()
@@ -341,10 +339,7 @@ class ShardedModel(Parallelized):
             for u in self.units:
                 if not self.plan.on_demand:
                     self._refresh(u)
-        saved = json.loads(reader.attrs.get("optim_class", '""'))
-        if saved != self._optim_class():
-            reader.fail(f"optimizer is {self._optim_class()} but the checkpoint holds {saved} "
-                        f"state; resume with --optimizer matching the checkpoint")
+        if not self._optim_class_matches(reader):
             return
         for u in self.units:
             state = {}
