@@ -151,7 +151,32 @@ def check_p2p(comm, backend):
             if not (recv_req.test() and send_req.test()):
                 raise AssertionError("test() is False after wait()")
             expect(buf, torch.full((2, 2), left + 1, dtype=dt), f"isend/irecv {dt}")
+        check_boxes(comm, left, right)
     comm.barrier()
+
+
+def check_boxes(comm, left, right):
+    """isend_boxes/irecv_boxes: strided boxes in, strided boxes out, one message, in order."""
+    def field(rank, dt):
+        g = torch.Generator().manual_seed(rank)
+        return (torch.randn(2, 3, 7, 9, generator=g) * 5).to(dt)
+    send_boxes = (((0, 1), (0, 9)), ((6, 7), (2, 5)), ((3, 5), (0, 9)), ((2, 2), (0, 9)))
+    recv_boxes = (((0, 1), (1, 10)), ((8, 9), (0, 3)), ((4, 6), (1, 10)), ((0, 0), (2, 11)))
+    for dt in (torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.bool):
+        for strided in (False, True):
+            x = field(comm.rank, dt)
+            if strided:  # a non-contiguous source: every other column of a wider tensor
+                x = torch.zeros(2, 3, 7, 18, dtype=dt)[..., ::2].copy_(x)
+            win = torch.zeros(2, 3, 9, 11, dtype=dt)
+            req = comm.irecv_boxes(win, recv_boxes, left, tag=7)
+            comm.isend_boxes(x, send_boxes, right, tag=7).wait()
+            req.wait()
+            src, want = field(left, dt), torch.zeros(2, 3, 9, 11, dtype=dt)
+            for (a, b), (c, d) in zip(send_boxes, recv_boxes):
+                want[..., c[0]:c[1], d[0]:d[1]] = src[..., a[0]:a[1], b[0]:b[1]]
+            expect(win, want, f"isend_boxes/irecv_boxes {dt} strided={strided}")
+    expect_raises(ValueError, "does not fit", lambda: comm.isend_boxes(
+        torch.zeros(2, 3), (((0, 4),),), right), "box outside the tensor")
 
 
 def check_all(comm, backend):

@@ -6,7 +6,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from hpctrain.parallel.domain.halo import DomainGrid
-from hpctrain.parallel.domain.layers import DomainConv, DomainGroupNorm, DomainPool, DomainUpsample
+from hpctrain.parallel.domain.groupnorm import DomainGroupNorm
+from hpctrain.parallel.domain.layers import DomainConv, DomainPool, DomainUpsample
 from hpctrain.parallel.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from hpctrain.runtime.comm import Communicator
 

@@ -17,6 +17,7 @@ import torch
 from hpctrain.parallel.domain.decomposition import (coords_rank, rank_coords, split_bounds,
                                                     window_pieces)
 from hpctrain.runtime.comm import Communicator
+from hpctrain.runtime.comm.base import box_index
 
 __all__ = ["DomainGrid", "HaloPlan", "PendingHalo", "halo_exchange", "halo_finish", "make_plan",
            "start_halo"]
@@ -97,7 +98,12 @@ class DomainGrid:
 
 @dataclass
 class HaloPlan:
-    """What this rank copies, fills, receives and sends to build its window."""
+    """What this rank copies, fills, receives and sends to build its window.
+
+    ``recv``/``send`` list boxes (peer, tag, slices); on the wire every peer gets ONE
+    message per exchange holding all its boxes in tag order (corners and edges included),
+    described in place by the communicator (MPI derived datatypes: no packing copies).
+    """
 
     window_shape: tuple[int, ...]
     local: list = field(default_factory=list)   # (src slices, dst slices)
@@ -105,10 +111,66 @@ class HaloPlan:
     recv: list = field(default_factory=list)    # (peer, tag, dst slices)
     send: list = field(default_factory=list)    # (peer, tag, src slices)
     fill: float = 0.0
+    _windows: dict = field(default_factory=dict, repr=False, compare=False)
+    _messages: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def communicates(self) -> bool:
         return bool(self.recv or self.send)
+
+    @property
+    def recv_messages(self) -> list:
+        """[(peer, tag, boxes)], one per peer, boxes ((start, stop) per dim) in tag order."""
+        if "recv" not in self._messages:
+            self._messages["recv"] = _by_peer(self.recv)
+        return self._messages["recv"]
+
+    @property
+    def send_messages(self) -> list:
+        """[(peer, tag, boxes)], one per peer, boxes in the receiver's tag order."""
+        if "send" not in self._messages:
+            self._messages["send"] = _by_peer(self.send)
+        return self._messages["send"]
+
+    def tile_slices(self, tile_shape: tuple[int, ...]):
+        """The local copy that covers the whole tile (src, dst), or None."""
+        for src, dst in self.local:
+            if all(s.start == 0 and s.stop == n for s, n in zip(src, tile_shape)):
+                return src, dst
+        return None
+
+    def window_buffer(self, lead: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """A window tensor for this plan, reusing the last one when nothing else holds it.
+
+        A fresh multi-MB window per call page-faults its whole extent; reusing it is safe
+        once autograd has released it (backward done), which the storage's use count tells:
+        the cache holds the base tensor and its storage, every window handed out one more.
+        Boundary fills are written once, when the buffer is made (nothing else writes there).
+        """
+        key = (lead, like.dtype, like.device)
+        entry = self._windows.get(key)
+        if entry is None or not _unused(entry[1]):
+            base = torch.empty(lead + self.window_shape, dtype=like.dtype, device=like.device)
+            for dst in self.fills:
+                base[_ix(dst)] = self.fill
+            entry = (base, base.untyped_storage())
+            self._windows[key] = entry
+        base, storage = entry
+        return torch.empty(0, dtype=base.dtype, device=base.device).set_(
+            storage, 0, base.shape, base.stride())
+
+
+def _by_peer(boxes: list) -> list:
+    out: dict = {}
+    for peer, tag, slices in sorted(boxes, key=lambda b: (b[0], b[1])):
+        out.setdefault(peer, (peer, tag, []))[2].append(tuple((s.start, s.stop) for s in slices))
+    return [(peer, tag, tuple(bx)) for peer, tag, bx in out.values()]
+
+
+def _unused(storage) -> bool:
+    """True when only the window cache refers to this storage (its tensor and itself)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return count is not None and count(storage._cdata) <= 2
 
 
 def make_plan(grid: DomainGrid, global_shape: tuple[int, ...], boxes: list, periodic: tuple[bool, ...],
@@ -139,33 +201,29 @@ def _ix(slices) -> tuple:
 
 
 class PendingHalo:
-    """An exchange in flight: receives and sends posted, local copies done; ``finish()`` waits."""
+    """An exchange in flight: receives and sends posted, local copies done; ``finish()`` waits.
+
+    Receives land straight in the window and sends leave straight from x (strided boxes);
+    the tile's own copy into the window runs while the messages are in flight.
+    """
 
     def __init__(self, x: torch.Tensor, plan: HaloPlan, comm: Communicator):
         x = x.detach()
         lead = tuple(x.shape[:x.dim() - len(plan.window_shape)])
         self.plan, self.comm = plan, comm
-        self.window = torch.empty(lead + plan.window_shape, dtype=x.dtype, device=x.device)
-        self._recvs, self._sends = [], []
-        for peer, tag, dst in plan.recv:
-            buf = torch.empty(lead + tuple(s.stop - s.start for s in dst), dtype=x.dtype, device=x.device)
-            self._recvs.append((comm.irecv(buf, peer, tag), buf, dst))
-        for peer, tag, src in plan.send:
-            buf = x[_ix(src)].contiguous()  # kept alive until the send completes
-            self._sends.append((comm.isend(buf, peer, tag), buf))
+        self.window = plan.window_buffer(lead, x)
+        self._reqs = [comm.irecv_boxes(self.window, boxes, peer, tag)
+                      for peer, tag, boxes in plan.recv_messages]
+        self._reqs += [comm.isend_boxes(x, boxes, peer, tag)
+                       for peer, tag, boxes in plan.send_messages]
         for src, dst in plan.local:
             self.window[_ix(dst)] = x[_ix(src)]
-        for dst in plan.fills:
-            self.window[_ix(dst)] = plan.fill
 
     def finish(self) -> torch.Tensor:
         """Wait for the halos and return the filled window."""
-        for req, buf, dst in self._recvs:
+        for req in self._reqs:
             req.wait()
-            self.window[_ix(dst)] = buf
-        for req, _ in self._sends:
-            req.wait()
-        self._recvs, self._sends = [], []
+        self._reqs = []
         return self.window
 
 
@@ -180,22 +238,31 @@ class _HaloFinish(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         plan, comm = ctx.plan, ctx.comm
-        g = g.contiguous()
-        gx = torch.zeros(ctx.shape, dtype=g.dtype, device=g.device)
-        lead = ctx.shape[:len(ctx.shape) - len(plan.window_shape)]
-        recvs, sends = [], []
-        for peer, tag, src in plan.send:
-            buf = torch.empty(lead + tuple(s.stop - s.start for s in src), dtype=g.dtype, device=g.device)
-            recvs.append((comm.irecv(buf, peer, tag + _BACKWARD_TAG), buf, src))
-        for peer, tag, dst in plan.recv:
-            buf = g[_ix(dst)].contiguous()
-            sends.append((comm.isend(buf, peer, tag + _BACKWARD_TAG), buf))
+        nd = len(plan.window_shape)
+        lead = ctx.shape[:len(ctx.shape) - nd]
+        recvs = []
+        for peer, tag, boxes in plan.send_messages:
+            shapes = [lead + tuple(b - a for a, b in box) for box in boxes]
+            buf = torch.empty(sum(math.prod(sh) for sh in shapes), dtype=g.dtype, device=g.device)
+            recvs.append((comm.irecv(buf, peer, tag + _BACKWARD_TAG), buf, shapes, boxes))
+        sends = [comm.isend_boxes(g, boxes, peer, tag + _BACKWARD_TAG)
+                 for peer, tag, boxes in plan.recv_messages]
+        whole = plan.tile_slices(ctx.shape[len(lead):])
+        if whole is not None:  # one copy instead of zeros + add
+            gx = g[_ix(whole[1])].clone(memory_format=torch.contiguous_format)
+        else:
+            gx = torch.zeros(ctx.shape, dtype=g.dtype, device=g.device)
         for src, dst in plan.local:
-            gx[_ix(src)] += g[_ix(dst)]
-        for req, buf, src in recvs:
+            if whole is None or (src, dst) != whole:
+                gx[_ix(src)] += g[_ix(dst)]
+        for req, buf, shapes, boxes in recvs:
             req.wait()
-            gx[_ix(src)] += buf
-        for req, _ in sends:
+            start = 0
+            for shape, box in zip(shapes, boxes):
+                n = math.prod(shape)
+                gx[box_index(box)] += buf[start:start + n].view(shape)
+                start += n
+        for req in sends:
             req.wait()
         return gx, None
 

@@ -15,10 +15,8 @@ from torch import nn
 
 from hpctrain.parallel.domain.decomposition import WindowGeometry, rank_coords, split_bounds
 from hpctrain.parallel.domain.halo import DomainGrid, halo_finish, make_plan, start_halo
-from hpctrain.parallel.functional import all_reduce_sum
-from hpctrain.runtime.comm import Communicator
 
-__all__ = ["DomainWindowOp", "DomainConv", "DomainPool", "DomainUpsample", "DomainGroupNorm"]
+__all__ = ["DomainWindowOp", "DomainConv", "DomainPool", "DomainUpsample"]
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _MAXPOOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
@@ -204,29 +202,3 @@ class DomainUpsample(DomainWindowOp):
         crop = tuple(slice(o - f * a, e - f * a) for o, e, f, a
                      in zip(out_lo, out_hi, self.factors, in_lo))
         return y[(Ellipsis,) + crop]
-
-
-class DomainGroupNorm(nn.Module):
-    """GroupNorm whose per-(sample, group) statistics cover the whole domain (all tiles)."""
-
-    def __init__(self, gn: nn.GroupNorm, comm: Communicator):
-        super().__init__()
-        self.num_groups, self.num_channels, self.eps, self.affine = (
-            gn.num_groups, gn.num_channels, gn.eps, gn.affine)
-        self.weight, self.bias = gn.weight, gn.bias
-        self.comm = comm
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n, c = x.shape[:2]
-        xg = x.reshape(n, self.num_groups, -1)
-        xf = xg.float() if x.dtype in (torch.float16, torch.bfloat16) else xg
-        count = torch.tensor([float(xg.shape[-1])], dtype=xf.dtype, device=x.device)
-        stats = all_reduce_sum(torch.cat([xf.sum(-1).reshape(-1), count]), self.comm)
-        mean = (stats[:-1] / stats[-1]).view(n, self.num_groups, 1)
-        centred = xf - mean
-        var = all_reduce_sum(centred.pow(2).sum(-1), self.comm) / stats[-1]
-        y = (centred * torch.rsqrt(var + self.eps).unsqueeze(-1)).reshape(x.shape)
-        if self.affine:
-            shape = (1, c) + (1,) * (x.dim() - 2)
-            y = y * self.weight.view(shape) + self.bias.view(shape)
-        return y.to(x.dtype)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 __all__ = ["OPS", "SUPPORTED_DTYPES", "Communicator", "CompletedRequest", "NullCommunicator",
-           "Request"]
+           "Request", "box_index"]
 
 #: Reduction op names accepted by ``allreduce``, ``reduce_scatter`` and ``allreduce_scalars``.
 OPS = ("sum", "avg", "max", "min", "prod")
@@ -158,6 +158,25 @@ class Communicator(ABC):
         self._check_p2p(tensor, source, "source", tag)
         return self._irecv(_wire(tensor), source, tag)
 
+    def isend_boxes(self, tensor: torch.Tensor, boxes: Sequence, dest: int,
+                    tag: int = 0) -> Request:
+        """Send several boxes of ``tensor`` as ONE message to ``dest`` (point to point).
+
+        A box is ``((start, stop), ...)`` over the trailing dims (leading dims whole); the
+        receiver gets each box's elements row-major, box after box (``irecv_boxes`` with
+        boxes of the same sizes). Keep ``tensor`` unchanged until wait(). Backends that can
+        describe strided memory (MPI derived datatypes, cached per layout) send in place;
+        others pack a copy.
+        """
+        self._check_boxes(tensor, boxes, dest, "dest", tag)
+        return self._isend_boxes(tensor.detach(), boxes, dest, tag)
+
+    def irecv_boxes(self, tensor: torch.Tensor, boxes: Sequence, source: int,
+                    tag: int = 0) -> Request:
+        """Receive ONE message from ``source`` into boxes of ``tensor`` (filled by wait())."""
+        self._check_boxes(tensor, boxes, source, "source", tag)
+        return self._irecv_boxes(tensor.detach(), boxes, source, tag)
+
     # ---- management --------------------------------------------------------------------
 
     def split(self, color: int | None, key: int = 0) -> Communicator:
@@ -215,6 +234,17 @@ class Communicator(ABC):
     def _irecv(self, tensor: torch.Tensor, source: int, tag: int) -> Request:
         """Start a non-blocking receive from ``source``."""
 
+    def _isend_boxes(self, tensor, boxes, dest: int, tag: int) -> Request:
+        """Default: pack the boxes into one buffer (kept alive by the request) and send it."""
+        buf = torch.cat([tensor[box_index(b)].reshape(-1) for b in boxes])
+        return _KeepAlive(self._isend(buf, dest, tag), buf)
+
+    def _irecv_boxes(self, tensor, boxes, source: int, tag: int) -> Request:
+        """Default: receive into one buffer and unpack it into the boxes on wait()."""
+        views = [tensor[box_index(b)] for b in boxes]
+        buf = torch.empty(sum(v.numel() for v in views), dtype=tensor.dtype, device=tensor.device)
+        return _Unpack(self._irecv(buf, source, tag), buf, views)
+
     @abstractmethod
     def _split(self, color: int | None, key: int) -> Communicator:
         """Split over all ranks (arguments already checked)."""
@@ -266,6 +296,32 @@ class Communicator(ABC):
         if not _is_int(tag) or tag < 0:
             raise ValueError(f"tag must be a non-negative int, got {tag!r}")
 
+    def _check_boxes(self, tensor, boxes, peer, what: str, tag) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype not in SUPPORTED_DTYPES or tensor.device != self.device:
+            self._check_tensor(tensor, "tensor")  # raises its clear dtype/device error
+        # Halo plans send the same few layouts every step: check each layout once.
+        seen = self.__dict__.setdefault("_boxes_checked", set())
+        key = (tuple(tensor.shape), boxes, peer, tag)
+        try:
+            if key in seen:
+                return
+        except TypeError:  # unhashable boxes (lists): check every time
+            key = None
+        if not isinstance(boxes, Sequence) or not boxes:
+            raise ValueError(f"boxes must be a non-empty list of boxes, got {boxes!r}")
+        for box in boxes:
+            if len(box) > tensor.dim() or any(
+                    not 0 <= lo <= hi <= n for (lo, hi), n in zip(box, tensor.shape[-len(box):])):
+                raise ValueError(f"box {box!r} does not fit the trailing dims of a tensor of "
+                                 f"shape {tuple(tensor.shape)}")
+        self._check_rank(peer, what)
+        if not _is_int(tag) or tag < 0:
+            raise ValueError(f"tag must be a non-negative int, got {tag!r}")
+        if key is not None and len(seen) < 4096:
+            seen.add(key)
+
     def _check_divisible(self, tensor: torch.Tensor, name: str) -> None:
         _check_has_dim0(tensor, name)
         if tensor.shape[0] % self.size:
@@ -290,6 +346,58 @@ class Communicator(ABC):
             raise ValueError(f"{name}: out overlaps the input tensor; pass a separate tensor "
                              "or out=None")
         return out
+
+
+def box_index(box) -> tuple:
+    """The index expression of a box ((start, stop) per trailing dim)."""
+    return (Ellipsis,) + tuple(slice(lo, hi) for lo, hi in box)
+
+
+class _KeepAlive(Request):
+    """Wraps a request and holds a temporary buffer until it completes."""
+
+    def __init__(self, request: Request, buffer: torch.Tensor):
+        self._request, self._buffer = request, buffer
+
+    def wait(self) -> None:
+        """Block until the operation completes."""
+        self._request.wait()
+        self._buffer = None
+
+    def test(self) -> bool:
+        """Return True if the operation has completed, without blocking."""
+        done = self._request.test()
+        if done:
+            self._buffer = None
+        return done
+
+
+class _Unpack(Request):
+    """A receive into a packed buffer that is copied out into the views once complete."""
+
+    def __init__(self, request: Request, buffer: torch.Tensor, views: list):
+        self._request, self._buffer, self._views = request, buffer, views
+
+    def _unpack(self) -> None:
+        if self._views is None:
+            return
+        start = 0
+        for v in self._views:
+            v.copy_(self._buffer[start:start + v.numel()].view(v.shape))
+            start += v.numel()
+        self._views = self._buffer = None
+
+    def wait(self) -> None:
+        """Block until the message has arrived, then fill the views."""
+        self._request.wait()
+        self._unpack()
+
+    def test(self) -> bool:
+        """Return True (and fill the views) if the message has arrived, without blocking."""
+        done = self._request.test()
+        if done:
+            self._unpack()
+        return done
 
 
 class NullCommunicator(Communicator):
@@ -321,7 +429,8 @@ def _not_member(name: str):
 
 # Public methods and backend hooks alike raise on a NullCommunicator.
 for _name in ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall", "barrier",
-              "allreduce_scalars", "send", "recv", "isend", "irecv", "split"):
+              "allreduce_scalars", "send", "recv", "isend", "irecv", "isend_boxes",
+              "irecv_boxes", "split"):
     setattr(NullCommunicator, _name, _not_member(_name))
     setattr(NullCommunicator, "_" + _name, _not_member(_name))
 update_abstractmethods(NullCommunicator)

@@ -27,6 +27,9 @@ _COMBINE = {
     "sum": torch.Tensor.add_, "avg": torch.Tensor.add_, "prod": torch.Tensor.mul_,
     "max": lambda a, b: torch.maximum(a, b, out=a), "min": lambda a, b: torch.minimum(a, b, out=a),
 }
+# Derived datatypes move raw bytes: any type of the element's size will do for p2p.
+_BY_ITEMSIZE = {1: MPI.BYTE, 2: MPI.INT16_T, 4: MPI.INT32_T, 8: MPI.INT64_T}
+_BOX_TYPES_KEPT = 512  # committed message layouts cached per communicator (halo plans reuse them)
 _RING_BYTES = 256 * 1024  # smaller reductions: MPI's own algorithm (latency-bound anyway)
 _RING_TAG = 30_001        # p2p tag of the ring steps (pipeline/domain use small tags)
 
@@ -142,6 +145,31 @@ class MPICommunicator(Communicator):
         buf = _as_buffer(tensor)
         return MPIRequest(self.comm.Irecv(buf, source=source, tag=tag), buf)
 
+    def _isend_boxes(self, tensor, boxes, dest, tag):
+        buf = self._boxes_message(tensor, boxes)
+        return MPIRequest(self.comm.Isend(buf, dest=dest, tag=tag), (buf, tensor))
+
+    def _irecv_boxes(self, tensor, boxes, source, tag):
+        buf = self._boxes_message(tensor, boxes)
+        return MPIRequest(self.comm.Irecv(buf, source=source, tag=tag), (buf, tensor))
+
+    def _boxes_message(self, tensor, boxes) -> list:
+        """``[buffer, 1, datatype]`` describing the boxes in place (no packing).
+
+        The datatype (a struct of nested hvectors, one per box) depends only on the
+        tensor's shape, strides and element size and on the boxes, so it is built and
+        committed once per layout: a halo plan sends the same layout every step.
+        """
+        key = (tuple(tensor.shape), tensor.stride(), tensor.element_size(), tuple(boxes))
+        cache = self.__dict__.setdefault("_box_types", {})
+        dtype = cache.get(key)
+        if dtype is None:
+            if len(cache) >= _BOX_TYPES_KEPT:  # forget the oldest layout
+                cache.pop(next(iter(cache))).Free()
+            dtype = cache[key] = _boxes_type(*key)
+        nbytes = tensor.untyped_storage().nbytes() - tensor.storage_offset() * tensor.element_size()
+        return [MPI.buffer.fromaddress(tensor.data_ptr(), nbytes), 1, dtype]
+
     def _split(self, color, key):
         sub = self.comm.Split(MPI.UNDEFINED if color is None else color, key)
         if sub == MPI.COMM_NULL:
@@ -157,3 +185,38 @@ def world() -> MPICommunicator:
     """Return a communicator over MPI.COMM_WORLD (all ranks of the job)."""
     return MPICommunicator(MPI.COMM_WORLD)
 
+
+def _strided_type(shape, strides, itemsize: int) -> MPI.Datatype:
+    """An (uncommitted) datatype for one strided view: contiguous runs, then hvectors."""
+    runs = []  # (count, stride in elements), innermost first, with mergeable dims merged
+    for n, st in reversed([(n, st) for n, st in zip(shape, strides) if n != 1]):
+        if runs and st == runs[-1][0] * runs[-1][1]:
+            runs[-1] = (runs[-1][0] * n, runs[-1][1])
+        else:
+            runs.append((n, st))
+    elem = _BY_ITEMSIZE[itemsize]
+    if not runs:
+        return elem.Dup()
+    n, st = runs[0]
+    dtype = elem.Create_contiguous(n) if st == 1 else elem.Create_hvector(n, 1, st * itemsize)
+    for n, st in runs[1:]:
+        outer = dtype.Create_hvector(n, 1, st * itemsize)
+        dtype.Free()  # the outer type keeps what it needs (MPI standard, 5.1.10)
+        dtype = outer
+    return dtype
+
+
+def _boxes_type(shape, stride, itemsize: int, boxes) -> MPI.Datatype:
+    """Committed struct of the boxes (trailing-dim (start, stop) ranges) of a strided tensor."""
+    parts, offsets = [], []
+    for box in boxes:
+        lead = len(shape) - len(box)
+        sizes = tuple(shape[:lead]) + tuple(hi - lo for lo, hi in box)
+        offsets.append(sum(lo * st for (lo, _), st in zip(box, stride[lead:])) * itemsize)
+        parts.append(_strided_type(sizes, stride, itemsize) if all(sizes) else
+                     _BY_ITEMSIZE[itemsize].Create_contiguous(0))
+    dtype = MPI.Datatype.Create_struct([1] * len(parts), offsets, parts)
+    dtype.Commit()
+    for p in parts:
+        p.Free()
+    return dtype
