@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     bh.add_argument("--channels", type=int, default=32, help="exchange bench: channels")
     bh.add_argument("--batch", type=int, default=2, help="samples")
     bh.add_argument("--reps", type=int, default=50, help="exchange repetitions (median)")
-    bh.add_argument("--model-size", type=int, default=96, help="U-Net grid side (multiple of 4)")
+    bh.add_argument("--model-size", type=int, default=256, help="U-Net grid side (multiple of 4)")
     bh.add_argument("--base", type=int, default=16, help="U-Net base channels")
     bh.add_argument("--steps", type=int, default=5, help="timed U-Net steps (median)")
     bh.add_argument("--warmup", type=int, default=2, help="untimed U-Net steps first")

@@ -93,7 +93,8 @@ def _exchange_bench(world, size, channels, batch, reps):
     return t_full, t_comm, t_raw, t_inplace, nbytes
 
 
-def _step_time(world, model, x, y, overlap, steps, warmup, dom):
+def _domain_step(world, model, x, y, overlap, dom):
+    """One training step of the U-Net split over ``dom`` ranks (a closure; collective)."""
     from hpctrain.parallel.domain.convert import to_domain
     from hpctrain.parallel.domain.halo import DomainGrid
     from hpctrain.parallel.domain.strategy import DomainParallel
@@ -112,12 +113,10 @@ def _step_time(world, model, x, y, overlap, steps, warmup, dom):
     def step():
         par.forward_backward([(xs, ys, 1.0)], F.mse_loss, prec)
         par.step()
-    for _ in range(warmup):
-        step()
-    return _median_s(step, steps, world.mpi_comm)
+    return step
 
 
-def _single_step_time(model, x, y, steps, warmup):
+def _single_step(model, x, y):
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
@@ -125,14 +124,44 @@ def _single_step_time(model, x, y, steps, warmup):
         F.mse_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return step
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _step_times(world, model, x, y, steps, warmup):
+    """Median step time of: 1 rank (rank 0 alone), N ranks with overlap, N ranks without.
+
+    The three run round by round (one step of each per round) so that a change in the
+    machine's load hits them alike; the others wait without spinning while rank 0 runs
+    alone.
+    """
+    mpi = world.mpi_comm
+    single = _single_step(model, x, y) if world.rank == 0 else None
+    ov = _domain_step(world, model, x, y, True, world.size)
+    no = _domain_step(world, model, x, y, False, world.size)
+    t1, tov, tno = [], [], []
+    for i in range(warmup + steps):
+        if world.rank == 0:
+            t = _timed(single)
+            mpi.Ibarrier().Wait()
+        else:
+            t = None
+            _idle_wait(mpi)
+        mpi.Barrier()
+        a = _timed(ov)
+        mpi.Barrier()
+        b = _timed(no)
+        if i >= warmup:
+            t1.append(t)
+            tov.append(mpi.allreduce(a, op=_max()))
+            tno.append(mpi.allreduce(b, op=_max()))
+    return (statistics.median(t1) if world.rank == 0 else None,
+            statistics.median(tov), statistics.median(tno))
 
 
 def _idle_wait(mpi):
@@ -142,7 +171,7 @@ def _idle_wait(mpi):
         time.sleep(0.01)
 
 
-def run(size=512, channels=32, batch=2, reps=50, model_size=96, base=16, steps=5, warmup=2) -> int:
+def run(size=512, channels=32, batch=2, reps=50, model_size=256, base=16, steps=5, warmup=2) -> int:
     from hpctrain.models.unet import UNet
     from hpctrain.runtime.world import init_world
 
@@ -154,14 +183,7 @@ def run(size=512, channels=32, batch=2, reps=50, model_size=96, base=16, steps=5
     g = torch.Generator().manual_seed(1)
     x = torch.randn(batch, 1, model_size, model_size, generator=g)
     y = torch.randn(batch, 1, model_size, model_size, generator=g)
-    t1 = None
-    if world.rank == 0:
-        t1 = _single_step_time(model, x, y, steps, warmup)
-        mpi.Ibarrier().Wait()
-    else:
-        _idle_wait(mpi)
-    t_ov = _step_time(world, model, x, y, True, steps, warmup, n)
-    t_no = _step_time(world, model, x, y, False, steps, warmup, n)
+    t1, t_ov, t_no = _step_times(world, model, x, y, steps, warmup)
     if world.rank == 0:
         print(f"halo bench: {n} ranks (grid {n}x1), load average {os.getloadavg()[0]:.2f} "
               f"(shared machine: numbers are noisy)")
@@ -175,8 +197,9 @@ def run(size=512, channels=32, batch=2, reps=50, model_size=96, base=16, steps=5
               f"{t_comm / t_inplace:.2f}x in place (target <= 1.2), {t_comm / t_raw:.2f}x packed")
         print(f"    halo exchange (+tile copy)             {t_full * 1e6:9.1f} us   (also copies the "
               "tile into its padded window, as a conv layer needs)")
-        print(f"  U-Net step (base {base}, {batch}x1x{model_size}x{model_size}, AdamW), median of "
-              f"{steps} after {warmup}:")
+        tile = -(-model_size // n)
+        print(f"  U-Net step (base {base}, {batch}x1x{model_size}x{model_size}, AdamW; tiles of "
+              f"{tile}x{model_size}), median of {steps} rounds after {warmup}:")
         print(f"    1 rank, full grid        {t1 * 1e3:9.1f} ms")
         print(f"    {n} ranks, overlap        {t_ov * 1e3:9.1f} ms   ratio {t_ov / t1:.2f}x (target <= 0.6)")
         print(f"    {n} ranks, no overlap     {t_no * 1e3:9.1f} ms   ratio {t_no / t1:.2f}x")
