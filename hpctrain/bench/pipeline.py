@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hpctrain.parallel.pipeline import schedule as sched_
 
 __all__ = ["run", "bench_stack"]
 
@@ -60,6 +63,7 @@ def _idle_barrier(world) -> None:
 
 
 def _hpctrain(sub, schedule, p, m, v, layers, width, micro, steps, warmup):
+    """Measured bubble and overhead per stage, median step time, and the breakdown (rank 0)."""
     from hpctrain.parallel.pipeline import PipelineOptions, wrap
     from hpctrain.train.precision import Precision
 
@@ -72,7 +76,7 @@ def _hpctrain(sub, schedule, p, m, v, layers, width, micro, steps, warmup):
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(m * micro, width, generator=g), torch.randn(m * micro, width, generator=g)
     links = par.engine.links
-    bubbles, overheads, times = [], [], []
+    bubbles, overheads, times, traces = [], [], [], []
     for step in range(warmup + steps):
         par.engine.trace = []
         links.recv_wait = 0.0
@@ -83,16 +87,50 @@ def _hpctrain(sub, schedule, p, m, v, layers, width, micro, steps, warmup):
         end = par.engine.trace[-1][4] - t0
         span = sub.host.allreduce_scalars([end], op="max")[0]
         idle = links.recv_wait + (span - end)
+        # every compute interval of every rank, for the simulator on rank 0
+        mine = torch.tensor([[a == "B", mb, sched_.stage_of(sub.rank, c, p), s - t0, e - t0]
+                             for a, mb, c, s, e in par.engine.trace], dtype=torch.float64)
+        trace = sub.host.allgather(mine)
         par.step()
         dt = sub.host.allreduce_scalars([time.perf_counter() - t0], op="max")[0]
         if step >= warmup:
             bubbles.append(idle / span)
             overheads.append(max(0.0, 1 - (busy + idle) / span))
             times.append(dt)
+            traces.append(trace)
     mine = torch.tensor([statistics.median(bubbles), statistics.median(overheads)],
                         dtype=torch.float64)
     per_stage = sub.host.allgather(mine.view(1, 2))
-    return per_stage[:, 0].tolist(), statistics.median(times), per_stage[:, 1].tolist()
+    return (per_stage[:, 0].tolist(), statistics.median(times), per_stage[:, 1].tolist(),
+            _breakdown(traces, schedule, p, m, v) if sub.rank == 0 else None)
+
+
+def _breakdown(traces, schedule, p, m, v):
+    """Per-stage median forward/backward seconds per micro-batch, and the bubble the schedule
+    would have with free communication: with every stage at its median times (what unequal
+    stages alone cost) and with every action at its measured time (adds their jitter)."""
+    acts = sched_.build(schedule, p, m, v)
+    stage_f, stage_b, sim_stage, sim_actual = [], [], [], []
+    for tr in traces:
+        dur = {("B" if b else "F", int(mb), int(g)): e - s for b, mb, g, s, e in tr.tolist()}
+        fwd = [statistics.median(d for (op, _, gg), d in dur.items() if op == "F" and gg == g)
+               for g in range(p * v)]
+        bwd = [statistics.median(d for (op, _, gg), d in dur.items() if op == "B" and gg == g)
+               for g in range(p * v)]
+        stage_f.append(fwd)
+        stage_b.append(bwd)
+        sim_stage.append(_mean(sched_.simulate(
+            acts, v, cost=lambda op, mb, g: fwd[g] if op == "F" else bwd[g])["bubble"]))
+        sim_actual.append(_mean(sched_.simulate(
+            acts, v, cost=lambda op, mb, g: dur[(op, mb, g)])["bubble"]))
+    med = statistics.median
+    return {"fwd": [med(s[g] for s in stage_f) for g in range(p * v)],
+            "bwd": [med(s[g] for s in stage_b) for g in range(p * v)],
+            "sim_stage": med(sim_stage), "sim_actual": med(sim_actual)}
+
+
+def _mean(xs):
+    return sum(xs) / len(xs)
 
 
 def _torch_pipelining(world, p, schedule, m, v, layers, width, micro, steps, warmup):
@@ -150,6 +188,8 @@ def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"
         raise SystemExit(f"bench pipeline: needs at least {min(pp or [2])} ranks; "
                          f"run it under mpirun -n 4")
     rows, torch_err = [], ""
+    load0 = os.getloadavg()[0]
+    shared = _shared_cores(world)
     if torch_compare:
         try:
             from hpctrain.bench.workload import _init_gloo
@@ -179,21 +219,50 @@ def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"
                 if world.rank == 0:
                     rows.append((schedule, p, m, vv, res[0], bubble_formula(p, m, vv),
                                  m * micro / res[1], None if tt is None else m * micro / tt,
-                                 sum(res[2]) / len(res[2])))
+                                 sum(res[2]) / len(res[2]), res[3]))
         if sub is not None:
             sub.Free() if hasattr(sub, "Free") else None
     if world.rank == 0:
-        print(f"pipeline bench: {world.size} ranks, cpu, {layers} x Linear({width})+GELU, "
-              f"micro-batch {micro}, median of {steps} steps after {warmup} warm-up, v={v}")
-        print(f"  {'schedule':<17}{'p':>2}{'m':>4}{'v':>3}  {'bubble per stage (measured)':<30}"
-              f"{'mean':>7}{'formula':>9}{'ratio':>7}{'overhead':>9}{'samples/s':>11}{'torch':>9}"
-              f"{'ours/torch':>11}")
-        for sched_, p, m, vv, per, formula, ours, theirs, over in rows:
-            mean = sum(per) / len(per)
-            stages = " ".join(f"{b:.3f}" for b in per)
-            t = f"{theirs:9.0f}{ours / theirs:11.2f}" if theirs else f"{'-':>9}{'-':>11}"
-            print(f"  {sched_:<17}{p:>2}{m:>4}{vv:>3}  {stages:<30}{mean:7.3f}{formula:9.3f}"
-                  f"{mean / formula:7.2f}{over:9.3f}{ours:11.0f}{t}")
+        _print(rows, world.size, layers, width, micro, steps, warmup, v, load0, shared)
         if torch_compare and torch_err:
             print(f"torch.distributed.pipelining comparison did not run: {torch_err}")
     return 0
+
+
+def _shared_cores(world) -> str:
+    """'' when every rank may run on its own cores; otherwise why ranks compete for a core."""
+    mask = sum(1 << c for c in os.sched_getaffinity(0))
+    masks = world.host.allgather(torch.tensor([mask], dtype=torch.int64)).tolist()
+    cpus = len(set(c for mk in masks for c in range(64) if mk >> c & 1))
+    if world.size > cpus:
+        return f"{world.size} ranks on {cpus} cores: ranks share cores (oversubscribed)"
+    if any(a & b for i, a in enumerate(masks) for b in masks[i + 1:]):
+        return "ranks may share cores (not bound); try mpirun --bind-to core"
+    return ""
+
+
+def _print(rows, size, layers, width, micro, steps, warmup, v, load0, shared) -> None:
+    print(f"pipeline bench: {size} ranks, cpu, {layers} x Linear({width})+GELU, "
+          f"micro-batch {micro}, median of {steps} steps after {warmup} warm-up, v={v}, "
+          f"load average {load0:.2f} -> {os.getloadavg()[0]:.2f}")
+    if shared:
+        print(f"  warning: {shared}; a busy neighbour slows the stages and the bubble grows")
+    print("  bubble = idle share of the step span. sim = bubble the schedule would have with "
+          "free communication and\n  every stage at its measured median fwd/bwd time; excess "
+          "over formula = imbal (sim - formula: unequal\n  stages) + jitter (every action at its "
+          "own measured time) + comm (the rest: messages, latency, wake-ups)")
+    print(f"  {'schedule':<17}{'p':>2}{'m':>4}{'v':>3}  {'bubble per stage (measured)':<30}"
+          f"{'mean':>7}{'formula':>9}{'ratio':>7}{'sim':>7}{'imbal':>7}{'jitter':>7}{'comm':>7}"
+          f"{'overhead':>9}{'samples/s':>11}{'torch':>9}{'ours/torch':>11}")
+    for sched, p, m, vv, per, formula, ours, theirs, over, bd in rows:
+        mean = sum(per) / len(per)
+        stages = " ".join(f"{b:.3f}" for b in per)
+        t = f"{theirs:9.0f}{ours / theirs:11.2f}" if theirs else f"{'-':>9}{'-':>11}"
+        sim, act = bd["sim_stage"], bd["sim_actual"]
+        print(f"  {sched:<17}{p:>2}{m:>4}{vv:>3}  {stages:<30}{mean:7.3f}{formula:9.3f}"
+              f"{mean / formula:7.2f}{sim:7.3f}{sim - formula:+7.3f}{act - sim:+7.3f}"
+              f"{mean - act:+7.3f}{over:9.3f}{ours:11.0f}{t}")
+    print("  compute per micro-batch, median ms forward/backward of each stage (last: with loss):")
+    for sched, p, m, vv, *_, bd in rows:
+        cells = " ".join(f"{f * 1e3:.2f}/{b * 1e3:.2f}" for f, b in zip(bd["fwd"], bd["bwd"]))
+        print(f"  {sched:<17}{p:>2}{m:>4}{vv:>3}  {cells}")
