@@ -62,8 +62,9 @@ def _idle_barrier(world) -> None:
         time.sleep(0.005)
 
 
-def _hpctrain(sub, schedule, p, m, v, layers, width, micro, steps, warmup):
-    """Measured bubble and overhead per stage, median step time, and the breakdown (rank 0)."""
+def _hpctrain(sub, schedule, p, m, v, layers, width, micro, steps, warmup, waits):
+    """Per wait policy: measured bubble and overhead per stage, median step time, and the
+    breakdown (rank 0). The policies take turns step by step, so they share the load."""
     from hpctrain.parallel.pipeline import PipelineOptions, wrap
     from hpctrain.train.precision import Precision
 
@@ -76,8 +77,9 @@ def _hpctrain(sub, schedule, p, m, v, layers, width, micro, steps, warmup):
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(m * micro, width, generator=g), torch.randn(m * micro, width, generator=g)
     links = par.engine.links
-    bubbles, overheads, times, traces = [], [], [], []
-    for step in range(warmup + steps):
+    got = {w: ([], [], [], []) for w in waits}  # bubbles, overheads, step times, traces
+    for step in range(warmup + steps * len(waits)):
+        links.wait = waits[step % len(waits)]
         par.engine.trace = []
         links.recv_wait = 0.0
         sub.host.barrier()
@@ -94,15 +96,17 @@ def _hpctrain(sub, schedule, p, m, v, layers, width, micro, steps, warmup):
         par.step()
         dt = sub.host.allreduce_scalars([time.perf_counter() - t0], op="max")[0]
         if step >= warmup:
-            bubbles.append(idle / span)
-            overheads.append(max(0.0, 1 - (busy + idle) / span))
-            times.append(dt)
-            traces.append(trace)
-    mine = torch.tensor([statistics.median(bubbles), statistics.median(overheads)],
-                        dtype=torch.float64)
-    per_stage = sub.host.allgather(mine.view(1, 2))
-    return (per_stage[:, 0].tolist(), statistics.median(times), per_stage[:, 1].tolist(),
-            _breakdown(traces, schedule, p, m, v) if sub.rank == 0 else None)
+            for acc, val in zip(got[links.wait], (idle / span,
+                                                 max(0.0, 1 - (busy + idle) / span), dt, trace)):
+                acc.append(val)
+    out = {}
+    for w, (bubbles, overheads, times, traces) in got.items():
+        mine = torch.tensor([statistics.median(bubbles), statistics.median(overheads)],
+                            dtype=torch.float64)
+        per_stage = sub.host.allgather(mine.view(1, 2))
+        out[w] = (per_stage[:, 0].tolist(), statistics.median(times), per_stage[:, 1].tolist(),
+                  _breakdown(traces, schedule, p, m, v) if sub.rank == 0 else None)
+    return out
 
 
 def _breakdown(traces, schedule, p, m, v):
@@ -177,11 +181,16 @@ def _torch_pipelining(world, p, schedule, m, v, layers, width, micro, steps, war
 
 def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"), v: int = 2,
         layers: int = 16, width: int = 512, micro: int = 32, steps: int = 5, warmup: int = 2,
-        torch_compare: bool = True) -> int:
+        torch_compare: bool = True, waits=("sleep",)) -> int:
     """Measure and print the bubble table (and throughput vs torch pipelining) on rank 0."""
     from hpctrain.parallel.pipeline.schedule import bubble_formula
     from hpctrain.runtime.world import init_world
 
+    from hpctrain.parallel.pipeline.p2p import WAITS
+
+    bad = [w for w in waits if w not in WAITS]
+    if bad:  # before any MPI work, same message on every rank
+        raise SystemExit(f"bench pipeline: --wait {','.join(bad)} is not one of {', '.join(WAITS)}")
     world = init_world(device="cpu")
     pp = [p for p in pp if p <= world.size]
     if not pp:
@@ -204,9 +213,10 @@ def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"
             for m in ms:
                 if (schedule == "interleaved-1f1b" and m % p) or layers % (p * vv):
                     continue
-                res = None
+                res = {}
                 if sub is not None:
-                    res = _hpctrain(sub, schedule, p, m, vv, layers, width, micro, steps, warmup)
+                    res = _hpctrain(sub, schedule, p, m, vv, layers, width, micro, steps,
+                                    warmup, waits)
                 _idle_barrier(world)
                 tt = None
                 if torch_compare and not torch_err:
@@ -216,10 +226,10 @@ def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"
                     except Exception as exc:
                         torch_err = f"{type(exc).__name__}: {exc}"
                 _idle_barrier(world)
-                if world.rank == 0:
-                    rows.append((schedule, p, m, vv, res[0], bubble_formula(p, m, vv),
-                                 m * micro / res[1], None if tt is None else m * micro / tt,
-                                 sum(res[2]) / len(res[2]), res[3]))
+                for wait, r in res.items() if world.rank == 0 else ():
+                    rows.append((schedule, p, m, vv, wait, r[0], bubble_formula(p, m, vv),
+                                 m * micro / r[1], None if tt is None else m * micro / tt,
+                                 sum(r[2]) / len(r[2]), r[3]))
         if sub is not None:
             sub.Free() if hasattr(sub, "Free") else None
     if world.rank == 0:
@@ -251,18 +261,18 @@ def _print(rows, size, layers, width, micro, steps, warmup, v, load0, shared) ->
           "free communication and\n  every stage at its measured median fwd/bwd time; excess "
           "over formula = imbal (sim - formula: unequal\n  stages) + jitter (every action at its "
           "own measured time) + comm (the rest: messages, latency, wake-ups)")
-    print(f"  {'schedule':<17}{'p':>2}{'m':>4}{'v':>3}  {'bubble per stage (measured)':<30}"
+    print(f"  {'schedule':<17}{'p':>2}{'m':>4}{'v':>3} {'wait':<6}{'bubble per stage (measured)':<30}"
           f"{'mean':>7}{'formula':>9}{'ratio':>7}{'sim':>7}{'imbal':>7}{'jitter':>7}{'comm':>7}"
           f"{'overhead':>9}{'samples/s':>11}{'torch':>9}{'ours/torch':>11}")
-    for sched, p, m, vv, per, formula, ours, theirs, over, bd in rows:
+    for sched, p, m, vv, wait, per, formula, ours, theirs, over, bd in rows:
         mean = sum(per) / len(per)
         stages = " ".join(f"{b:.3f}" for b in per)
         t = f"{theirs:9.0f}{ours / theirs:11.2f}" if theirs else f"{'-':>9}{'-':>11}"
         sim, act = bd["sim_stage"], bd["sim_actual"]
-        print(f"  {sched:<17}{p:>2}{m:>4}{vv:>3}  {stages:<30}{mean:7.3f}{formula:9.3f}"
+        print(f"  {sched:<17}{p:>2}{m:>4}{vv:>3} {wait:<6}{stages:<30}{mean:7.3f}{formula:9.3f}"
               f"{mean / formula:7.2f}{sim:7.3f}{sim - formula:+7.3f}{act - sim:+7.3f}"
               f"{mean - act:+7.3f}{over:9.3f}{ours:11.0f}{t}")
     print("  compute per micro-batch, median ms forward/backward of each stage (last: with loss):")
-    for sched, p, m, vv, *_, bd in rows:
+    for sched, p, m, vv, wait, *_, bd in rows:
         cells = " ".join(f"{f * 1e3:.2f}/{b * 1e3:.2f}" for f, b in zip(bd["fwd"], bd["bwd"]))
-        print(f"  {sched:<17}{p:>2}{m:>4}{vv:>3}  {cells}")
+        print(f"  {sched:<17}{p:>2}{m:>4}{vv:>3} {wait:<6}{cells}")
