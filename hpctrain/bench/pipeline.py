@@ -199,6 +199,7 @@ def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"
     rows, torch_err = [], ""
     load0 = os.getloadavg()[0]
     shared = _shared_cores(world)
+    latency = _p2p_latency(world, micro * width)
     if torch_compare:
         try:
             from hpctrain.bench.workload import _init_gloo
@@ -233,7 +234,7 @@ def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"
         if sub is not None:
             sub.Free() if hasattr(sub, "Free") else None
     if world.rank == 0:
-        _print(rows, world.size, layers, width, micro, steps, warmup, v, load0, shared)
+        _print(rows, world.size, layers, width, micro, steps, warmup, v, load0, shared, latency)
         if torch_compare and torch_err:
             print(f"torch.distributed.pipelining comparison did not run: {torch_err}")
     return 0
@@ -251,12 +252,34 @@ def _shared_cores(world) -> str:
     return ""
 
 
-def _print(rows, size, layers, width, micro, steps, warmup, v, load0, shared) -> None:
+def _p2p_latency(world, numel: int, reps: int = 50) -> float:
+    """One-way time of one activation between ranks 0 and 1 (ping-pong median, seconds)."""
+    buf = torch.zeros(numel)
+    times = []
+    for _ in range(reps if world.rank < 2 else 0):
+        t0 = time.perf_counter()
+        if world.rank == 0:
+            world.host.send(buf, 1, 7)
+            world.host.recv(buf, 1, 7)
+        else:
+            world.host.recv(buf, 0, 7)
+            world.host.send(buf, 0, 7)
+        times.append((time.perf_counter() - t0) / 2)
+    _idle_barrier(world)
+    return statistics.median(times) if times else 0.0
+
+
+def _print(rows, size, layers, width, micro, steps, warmup, v, load0, shared, latency) -> None:
     print(f"pipeline bench: {size} ranks, cpu, {layers} x Linear({width})+GELU, "
           f"micro-batch {micro}, median of {steps} steps after {warmup} warm-up, v={v}, "
           f"load average {load0:.2f} -> {os.getloadavg()[0]:.2f}")
     if shared:
         print(f"  warning: {shared}; a busy neighbour slows the stages and the bubble grows")
+    if rows:
+        least = min(min(bd["fwd"]) for *_, bd in rows)
+        print(f"  one activation ({micro}x{width} fp32, {micro * width * 4 // 1024} KiB) crosses a "
+              f"stage boundary in {latency * 1e6:.0f} us (ping-pong); the shortest stage compute "
+              f"per micro-batch is {least * 1e3:.2f} ms = {least / max(latency, 1e-9):.0f}x that")
     print("  bubble = idle share of the step span. sim = bubble the schedule would have with "
           "free communication and\n  every stage at its measured median fwd/bwd time; excess "
           "over formula = imbal (sim - formula: unequal\n  stages) + jitter (every action at its "

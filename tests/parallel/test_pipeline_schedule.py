@@ -78,6 +78,17 @@ def test_interleaved_needs_multiple_of_p():
         sched.build("zigzag", 2, 4)
 
 
+def test_balanced_split_with_costs_measured_per_rank():
+    # Identical layers, rank 1 twice as slow: it gets half as many layers.
+    assert plan.balanced_split([[1.0] * 6, [2.0] * 6], 2) == [0, 4]
+    assert plan.balanced_split([[2.0] * 6, [1.0] * 6], 2) == [0, 2]
+    # Equal ranks: the same split as one shared cost list.
+    assert plan.balanced_split([[5, 1, 1, 1, 1, 1]] * 2, 2) == plan.balanced_split(
+        [5, 1, 1, 1, 1, 1], 2)
+    # Interleaved placement: stage s runs on rank s % p (p=2, 4 stages).
+    assert plan.balanced_split([[1.0] * 12, [2.0] * 12], 4) == [0, 4, 6, 10]
+
+
 def test_balanced_split_minimises_the_largest_stage():
     assert plan.balanced_split([1, 1, 1, 1], 2) == [0, 2]
     assert plan.balanced_split([5, 1, 1, 1, 1, 1], 2) == [0, 1]

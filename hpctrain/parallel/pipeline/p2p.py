@@ -128,6 +128,6 @@ class StageLinks:
 
     def wait_all(self) -> None:
         """Complete every pending send (end of a step)."""
-        for req, _ in self._pending:
-            req.wait()
+        for req, _ in self._pending:  # the last sends complete while neighbours compute
+            req.wait() if self.wait == "spin" else wait_idle(req)
         self._pending.clear()
