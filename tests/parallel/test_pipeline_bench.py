@@ -15,7 +15,7 @@ def test_bench_pipeline_prints_bubble_table():
     out = proc.stdout
     assert "pipeline bench: 2 ranks" in out and "load average" in out, out + proc.stderr
     assert "crosses a stage boundary in" in out, out
-    main, _, compute = out.partition("compute per micro-batch")
+    main, _, compute = out.partition("compute per micro-batch, median ms")
     names = ("gpipe", "1f1b", "interleaved-1f1b")
     rows = [ln.split() for ln in main.splitlines() if ln.strip().split(" ")[0] in names]
     # gpipe and 1f1b at m=2,4; interleaved (v=2) at m=2,4: 6 rows.
