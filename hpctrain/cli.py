@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--virtual-stages", type=int, default=2, help="chunks per rank (interleaved)")
     bp.add_argument("--layers", type=int, default=16, help="identical Linear+GELU layers")
     bp.add_argument("--width", type=int, default=512, help="layer width")
-    bp.add_argument("--micro-batch", type=int, default=32, help="samples per micro-batch")
+    bp.add_argument("--micro-batch", type=int, default=128, help="samples per micro-batch")
     bp.add_argument("--steps", type=int, default=5, help="timed steps (median)")
     bp.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     bp.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")

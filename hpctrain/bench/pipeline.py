@@ -11,6 +11,14 @@ last compute to the end of the step; the span runs from a common barrier to the 
 last compute of any stage. Formula: (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1). The table
 also shows the overhead: the rest of the span that is neither compute (forward/backward
 intervals) nor waiting -- Python and p2p bookkeeping that the formula counts as zero.
+
+The formula assumes equal stages and free communication. To tell which assumption a run
+broke, the schedule simulator replays every step with the measured compute times: once with
+each stage at its median forward/backward time (``sim``; sim - formula = stage imbalance)
+and once with every action at its own time (adds jitter, e.g. a rank preempted mid-layer);
+what remains of the measured bubble is communication: message latency and wake-ups. The
+default micro-batch (128 x 512) keeps a stage's compute per micro-batch tens of times above
+the p2p time of one activation, as in a real pipeline; tiny micro-batches measure latency.
 """
 
 from __future__ import annotations
@@ -180,7 +188,7 @@ def _torch_pipelining(world, p, schedule, m, v, layers, width, micro, steps, war
 
 
 def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"), v: int = 2,
-        layers: int = 16, width: int = 512, micro: int = 32, steps: int = 5, warmup: int = 2,
+        layers: int = 16, width: int = 512, micro: int = 128, steps: int = 5, warmup: int = 2,
         torch_compare: bool = True, waits=("sleep",)) -> int:
     """Measure and print the bubble table (and throughput vs torch pipelining) on rank 0."""
     from hpctrain.parallel.pipeline.schedule import bubble_formula
@@ -199,7 +207,7 @@ def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"
     rows, torch_err = [], ""
     load0 = os.getloadavg()[0]
     shared = _shared_cores(world)
-    latency = _p2p_latency(world, micro * width)
+    latency = _p2p_latency(world, micro * width, waits[-1])
     if torch_compare:
         try:
             from hpctrain.bench.workload import _init_gloo
@@ -234,7 +242,8 @@ def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"
         if sub is not None:
             sub.Free() if hasattr(sub, "Free") else None
     if world.rank == 0:
-        _print(rows, world.size, layers, width, micro, steps, warmup, v, load0, shared, latency)
+        _print(rows, world.size, layers, width, micro, steps, warmup, v, load0, shared, latency,
+               waits)
         if torch_compare and torch_err:
             print(f"torch.distributed.pipelining comparison did not run: {torch_err}")
     return 0
@@ -252,24 +261,36 @@ def _shared_cores(world) -> str:
     return ""
 
 
-def _p2p_latency(world, numel: int, reps: int = 50) -> float:
-    """One-way time of one activation between ranks 0 and 1 (ping-pong median, seconds)."""
+def _p2p_latency(world, numel: int, wait: str, reps: int = 50) -> float:
+    """One-way time of one activation between ranks 0 and 1 (ping-pong median, seconds),
+    received the way the engine receives (``wait`` policy)."""
+    from hpctrain.runtime.comm.idle import wait_idle
+
     buf = torch.zeros(numel)
+    peer = 1 - world.rank
+
+    def recv():
+        if wait == "spin":
+            world.host.recv(buf, peer, 7)
+        else:
+            wait_idle(world.host.irecv(buf, peer, 7))
+
     times = []
     for _ in range(reps if world.rank < 2 else 0):
         t0 = time.perf_counter()
         if world.rank == 0:
             world.host.send(buf, 1, 7)
-            world.host.recv(buf, 1, 7)
+            recv()
         else:
-            world.host.recv(buf, 0, 7)
+            recv()
             world.host.send(buf, 0, 7)
         times.append((time.perf_counter() - t0) / 2)
     _idle_barrier(world)
     return statistics.median(times) if times else 0.0
 
 
-def _print(rows, size, layers, width, micro, steps, warmup, v, load0, shared, latency) -> None:
+def _print(rows, size, layers, width, micro, steps, warmup, v, load0, shared, latency,
+           waits) -> None:
     print(f"pipeline bench: {size} ranks, cpu, {layers} x Linear({width})+GELU, "
           f"micro-batch {micro}, median of {steps} steps after {warmup} warm-up, v={v}, "
           f"load average {load0:.2f} -> {os.getloadavg()[0]:.2f}")
@@ -278,8 +299,10 @@ def _print(rows, size, layers, width, micro, steps, warmup, v, load0, shared, la
     if rows:
         least = min(min(bd["fwd"]) for *_, bd in rows)
         print(f"  one activation ({micro}x{width} fp32, {micro * width * 4 // 1024} KiB) crosses a "
-              f"stage boundary in {latency * 1e6:.0f} us (ping-pong); the shortest stage compute "
-              f"per micro-batch is {least * 1e3:.2f} ms = {least / max(latency, 1e-9):.0f}x that")
+              f"stage boundary in {latency * 1e6:.0f} us (ping-pong, wait {waits[-1]}); the "
+              f"shortest stage compute per micro-batch is {least * 1e3:.2f} ms = "
+              f"{least / max(latency, 1e-9):.0f}x that (the workload keeps fixed per-message "
+              f"costs small, as a real pipeline does)")
     print("  bubble = idle share of the step span. sim = bubble the schedule would have with "
           "free communication and\n  every stage at its measured median fwd/bwd time; excess "
           "over formula = imbal (sim - formula: unequal\n  stages) + jitter (every action at its "
