@@ -49,7 +49,9 @@ class StageLinks:
         self._pending: list = []           # (request, tensor kept alive until sent)
         self._local: dict[int, deque] = {} # tag -> messages to this same rank
         self.recv_wait = 0.0               # seconds blocked in receives (idle time)
-        self.wait = "sleep"                # how a receive waits: see WAITS
+        # How a receive waits (WAITS). On a GPU the backend's recv only orders the streams
+        # and the host must not block on the kernel, so only CPU ranks sleep-poll.
+        self.wait = "sleep" if device.type == "cpu" else "spin"
 
     # tags: activations 3b, gradients 3b+1, headers 3b+2
     def _rank(self, stage: int) -> int:
