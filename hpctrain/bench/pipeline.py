@@ -191,10 +191,9 @@ def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"
         layers: int = 16, width: int = 512, micro: int = 128, steps: int = 5, warmup: int = 2,
         torch_compare: bool = True, waits=("sleep",)) -> int:
     """Measure and print the bubble table (and throughput vs torch pipelining) on rank 0."""
+    from hpctrain.parallel.pipeline.p2p import WAITS
     from hpctrain.parallel.pipeline.schedule import bubble_formula
     from hpctrain.runtime.world import init_world
-
-    from hpctrain.parallel.pipeline.p2p import WAITS
 
     bad = [w for w in waits if w not in WAITS]
     if bad:  # before any MPI work, same message on every rank
@@ -250,14 +249,18 @@ def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"
 
 
 def _shared_cores(world) -> str:
-    """'' when every rank may run on its own cores; otherwise why ranks compete for a core."""
-    mask = sum(1 << c for c in os.sched_getaffinity(0))
-    masks = world.host.allgather(torch.tensor([mask], dtype=torch.int64)).tolist()
-    cpus = len(set(c for mk in masks for c in range(64) if mk >> c & 1))
-    if world.size > cpus:
-        return f"{world.size} ranks on {cpus} cores: ranks share cores (oversubscribed)"
-    if any(a & b for i, a in enumerate(masks) for b in masks[i + 1:]):
-        return "ranks may share cores (not bound); try mpirun --bind-to core"
+    """'' when every rank of a node may run on its own cores; otherwise why ranks compete."""
+    n = 1024  # CPU ids covered by the bitmap
+    mine = torch.zeros(1, n, dtype=torch.uint8)
+    mine[0, [c for c in os.sched_getaffinity(0) if c < n]] = 1
+    masks = world.node.allgather(mine).bool()
+    cpus = int(masks.any(0).sum())
+    if world.node.size > cpus:
+        return f"{world.node.size} ranks on {cpus} cores: ranks share cores (oversubscribed)"
+    if any(bool((masks[i] & masks[j]).any()) for i in range(len(masks))
+           for j in range(i + 1, len(masks))):
+        return ("ranks are not bound and may share cores (mpirun --bind-to core pins them "
+                "when the machine is yours)")
     return ""
 
 
@@ -301,8 +304,10 @@ def _print(rows, size, layers, width, micro, steps, warmup, v, load0, shared, la
         print(f"  one activation ({micro}x{width} fp32, {micro * width * 4 // 1024} KiB) crosses a "
               f"stage boundary in {latency * 1e6:.0f} us (ping-pong, wait {waits[-1]}); the "
               f"shortest stage compute per micro-batch is {least * 1e3:.2f} ms = "
-              f"{least / max(latency, 1e-9):.0f}x that (the workload keeps fixed per-message "
-              f"costs small, as a real pipeline does)")
+              f"{least / max(latency, 1e-9):.0f}x that")
+        if least < 20 * latency:  # messages are no longer a small fixed cost per step
+            print("  warning: compute per micro-batch is within 20x of one message: the table "
+                  "measures latency more than the schedule (raise --micro-batch or --width)")
     print("  bubble = idle share of the step span. sim = bubble the schedule would have with "
           "free communication and\n  every stage at its measured median fwd/bwd time; excess "
           "over formula = imbal (sim - formula: unequal\n  stages) + jitter (every action at its "
