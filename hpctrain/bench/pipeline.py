@@ -312,7 +312,8 @@ def _print(rows, size, layers, width, micro, steps, warmup, v, load0, shared, la
           "free communication and\n  every stage at its measured median fwd/bwd time; excess "
           "over formula = imbal (sim - formula: unequal\n  stages) + jitter (every action at its "
           "own measured time) + comm (the rest: messages, latency, wake-ups)")
-    print(f"  {'schedule':<17}{'p':>2}{'m':>4}{'v':>3} {'wait':<6}{'bubble per stage (measured)':<30}"
+    print(f"  {'schedule':<17}{'p':>2}{'m':>4}{'v':>3} {'wait':<6}"
+          f"{'bubble per stage (measured)':<30}"
           f"{'mean':>7}{'formula':>9}{'ratio':>7}{'sim':>7}{'imbal':>7}{'jitter':>7}{'comm':>7}"
           f"{'overhead':>9}{'samples/s':>11}{'torch':>9}{'ours/torch':>11}")
     for sched, p, m, vv, wait, per, formula, ours, theirs, over, bd in rows:
