@@ -103,10 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--virtual-stages", type=int, default=2, help="chunks per rank (interleaved)")
     bp.add_argument("--layers", type=int, default=16, help="identical Linear+GELU layers")
     bp.add_argument("--width", type=int, default=512, help="layer width")
-    bp.add_argument("--micro-batch", type=int, default=32, help="samples per micro-batch")
+    bp.add_argument("--micro-batch", type=int, default=128, help="samples per micro-batch")
     bp.add_argument("--steps", type=int, default=5, help="timed steps (median)")
     bp.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     bp.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
+    bp.add_argument("--wait", default="sleep", help="how blocked receives wait, comma-separated "
+                    "to compare: spin (MPI busy-poll), yield, sleep")
     bh = bsub.add_parser("halo", help="halo exchange vs raw MPI Sendrecv; U-Net step time at "
                          "N ranks vs 1 on the same grid, with and without overlap")
     bh.add_argument("--size", type=int, default=512, help="exchange bench: global grid side")
@@ -259,7 +261,8 @@ def cmd_bench(args) -> int:
 
         return run_pipeline(args.pp, args.microbatches, tuple(args.schedules.split(",")),
                             args.virtual_stages, args.layers, args.width, args.micro_batch,
-                            args.steps, args.warmup, not args.no_torch)
+                            args.steps, args.warmup, not args.no_torch,
+                            tuple(args.wait.split(",")))
     from hpctrain.bench.checkpoint import run
 
     return run(args.mb, args.dir)

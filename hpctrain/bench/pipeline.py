@@ -11,18 +11,29 @@ last compute to the end of the step; the span runs from a common barrier to the 
 last compute of any stage. Formula: (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1). The table
 also shows the overhead: the rest of the span that is neither compute (forward/backward
 intervals) nor waiting -- Python and p2p bookkeeping that the formula counts as zero.
+
+The formula assumes equal stages and free communication. To tell which assumption a run
+broke, the schedule simulator replays every step with the measured compute times: once with
+each stage at its median forward/backward time (``sim``; sim - formula = stage imbalance)
+and once with every action at its own time (adds jitter, e.g. a rank preempted mid-layer);
+what remains of the measured bubble is communication: message latency and wake-ups. The
+default micro-batch (128 x 512) keeps a stage's compute per micro-batch tens of times above
+the p2p time of one activation, as in a real pipeline; tiny micro-batches measure latency.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import os
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hpctrain.parallel.pipeline import schedule as sched_
 
 __all__ = ["run", "bench_stack"]
 
@@ -59,7 +70,9 @@ def _idle_barrier(world) -> None:
         time.sleep(0.005)
 
 
-def _hpctrain(sub, schedule, p, m, v, layers, width, micro, steps, warmup):
+def _hpctrain(sub, schedule, p, m, v, layers, width, micro, steps, warmup, waits):
+    """Per wait policy: measured bubble and overhead per stage, median step time, and the
+    breakdown (rank 0). The policies take turns step by step, so they share the load."""
     from hpctrain.parallel.pipeline import PipelineOptions, wrap
     from hpctrain.train.precision import Precision
 
@@ -72,8 +85,9 @@ def _hpctrain(sub, schedule, p, m, v, layers, width, micro, steps, warmup):
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(m * micro, width, generator=g), torch.randn(m * micro, width, generator=g)
     links = par.engine.links
-    bubbles, overheads, times = [], [], []
-    for step in range(warmup + steps):
+    got = {w: ([], [], [], []) for w in waits}  # bubbles, overheads, step times, traces
+    for step in range(warmup + steps * len(waits)):
+        links.wait = waits[step % len(waits)]
         par.engine.trace = []
         links.recv_wait = 0.0
         sub.host.barrier()
@@ -83,16 +97,52 @@ def _hpctrain(sub, schedule, p, m, v, layers, width, micro, steps, warmup):
         end = par.engine.trace[-1][4] - t0
         span = sub.host.allreduce_scalars([end], op="max")[0]
         idle = links.recv_wait + (span - end)
+        # every compute interval of every rank, for the simulator on rank 0
+        mine = torch.tensor([[a == "B", mb, sched_.stage_of(sub.rank, c, p), s - t0, e - t0]
+                             for a, mb, c, s, e in par.engine.trace], dtype=torch.float64)
+        trace = sub.host.allgather(mine)
         par.step()
         dt = sub.host.allreduce_scalars([time.perf_counter() - t0], op="max")[0]
         if step >= warmup:
-            bubbles.append(idle / span)
-            overheads.append(max(0.0, 1 - (busy + idle) / span))
-            times.append(dt)
-    mine = torch.tensor([statistics.median(bubbles), statistics.median(overheads)],
-                        dtype=torch.float64)
-    per_stage = sub.host.allgather(mine.view(1, 2))
-    return per_stage[:, 0].tolist(), statistics.median(times), per_stage[:, 1].tolist()
+            for acc, val in zip(got[links.wait], (idle / span,
+                                                 max(0.0, 1 - (busy + idle) / span), dt, trace)):
+                acc.append(val)
+    out = {}
+    for w, (bubbles, overheads, times, traces) in got.items():
+        mine = torch.tensor([statistics.median(bubbles), statistics.median(overheads)],
+                            dtype=torch.float64)
+        per_stage = sub.host.allgather(mine.view(1, 2))
+        out[w] = (per_stage[:, 0].tolist(), statistics.median(times), per_stage[:, 1].tolist(),
+                  _breakdown(traces, schedule, p, m, v) if sub.rank == 0 else None)
+    return out
+
+
+def _breakdown(traces, schedule, p, m, v):
+    """Per-stage median forward/backward seconds per micro-batch, and the bubble the schedule
+    would have with free communication: with every stage at its median times (what unequal
+    stages alone cost) and with every action at its measured time (adds their jitter)."""
+    acts = sched_.build(schedule, p, m, v)
+    stage_f, stage_b, sim_stage, sim_actual = [], [], [], []
+    for tr in traces:
+        dur = {("B" if b else "F", int(mb), int(g)): e - s for b, mb, g, s, e in tr.tolist()}
+        fwd = [statistics.median(d for (op, _, gg), d in dur.items() if op == "F" and gg == g)
+               for g in range(p * v)]
+        bwd = [statistics.median(d for (op, _, gg), d in dur.items() if op == "B" and gg == g)
+               for g in range(p * v)]
+        stage_f.append(fwd)
+        stage_b.append(bwd)
+        sim_stage.append(_mean(sched_.simulate(
+            acts, v, cost=lambda op, mb, g: fwd[g] if op == "F" else bwd[g])["bubble"]))
+        sim_actual.append(_mean(sched_.simulate(
+            acts, v, cost=lambda op, mb, g: dur[(op, mb, g)])["bubble"]))
+    med = statistics.median
+    return {"fwd": [med(s[g] for s in stage_f) for g in range(p * v)],
+            "bwd": [med(s[g] for s in stage_b) for g in range(p * v)],
+            "sim_stage": med(sim_stage), "sim_actual": med(sim_actual)}
+
+
+def _mean(xs):
+    return sum(xs) / len(xs)
 
 
 def _torch_pipelining(world, p, schedule, m, v, layers, width, micro, steps, warmup):
@@ -138,18 +188,25 @@ def _torch_pipelining(world, p, schedule, m, v, layers, width, micro, steps, war
 
 
 def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"), v: int = 2,
-        layers: int = 16, width: int = 512, micro: int = 32, steps: int = 5, warmup: int = 2,
-        torch_compare: bool = True) -> int:
+        layers: int = 16, width: int = 512, micro: int = 128, steps: int = 5, warmup: int = 2,
+        torch_compare: bool = True, waits=("sleep",)) -> int:
     """Measure and print the bubble table (and throughput vs torch pipelining) on rank 0."""
+    from hpctrain.parallel.pipeline.p2p import WAITS
     from hpctrain.parallel.pipeline.schedule import bubble_formula
     from hpctrain.runtime.world import init_world
 
+    bad = [w for w in waits if w not in WAITS]
+    if bad:  # before any MPI work, same message on every rank
+        raise SystemExit(f"bench pipeline: --wait {','.join(bad)} is not one of {', '.join(WAITS)}")
     world = init_world(device="cpu")
     pp = [p for p in pp if p <= world.size]
     if not pp:
         raise SystemExit(f"bench pipeline: needs at least {min(pp or [2])} ranks; "
                          f"run it under mpirun -n 4")
     rows, torch_err = [], ""
+    load0 = os.getloadavg()[0]
+    shared = _shared_cores(world)
+    latency = _p2p_latency(world, micro * width, waits[-1])
     if torch_compare:
         try:
             from hpctrain.bench.workload import _init_gloo
@@ -164,9 +221,10 @@ def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"
             for m in ms:
                 if (schedule == "interleaved-1f1b" and m % p) or layers % (p * vv):
                     continue
-                res = None
+                res = {}
                 if sub is not None:
-                    res = _hpctrain(sub, schedule, p, m, vv, layers, width, micro, steps, warmup)
+                    res = _hpctrain(sub, schedule, p, m, vv, layers, width, micro, steps,
+                                    warmup, waits)
                 _idle_barrier(world)
                 tt = None
                 if torch_compare and not torch_err:
@@ -176,24 +234,97 @@ def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"
                     except Exception as exc:
                         torch_err = f"{type(exc).__name__}: {exc}"
                 _idle_barrier(world)
-                if world.rank == 0:
-                    rows.append((schedule, p, m, vv, res[0], bubble_formula(p, m, vv),
-                                 m * micro / res[1], None if tt is None else m * micro / tt,
-                                 sum(res[2]) / len(res[2])))
+                for wait, r in res.items() if world.rank == 0 else ():
+                    rows.append((schedule, p, m, vv, wait, r[0], bubble_formula(p, m, vv),
+                                 m * micro / r[1], None if tt is None else m * micro / tt,
+                                 sum(r[2]) / len(r[2]), r[3]))
         if sub is not None:
             sub.Free() if hasattr(sub, "Free") else None
     if world.rank == 0:
-        print(f"pipeline bench: {world.size} ranks, cpu, {layers} x Linear({width})+GELU, "
-              f"micro-batch {micro}, median of {steps} steps after {warmup} warm-up, v={v}")
-        print(f"  {'schedule':<17}{'p':>2}{'m':>4}{'v':>3}  {'bubble per stage (measured)':<30}"
-              f"{'mean':>7}{'formula':>9}{'ratio':>7}{'overhead':>9}{'samples/s':>11}{'torch':>9}"
-              f"{'ours/torch':>11}")
-        for sched_, p, m, vv, per, formula, ours, theirs, over in rows:
-            mean = sum(per) / len(per)
-            stages = " ".join(f"{b:.3f}" for b in per)
-            t = f"{theirs:9.0f}{ours / theirs:11.2f}" if theirs else f"{'-':>9}{'-':>11}"
-            print(f"  {sched_:<17}{p:>2}{m:>4}{vv:>3}  {stages:<30}{mean:7.3f}{formula:9.3f}"
-                  f"{mean / formula:7.2f}{over:9.3f}{ours:11.0f}{t}")
+        _print(rows, world.size, layers, width, micro, steps, warmup, v, load0, shared, latency,
+               waits)
         if torch_compare and torch_err:
             print(f"torch.distributed.pipelining comparison did not run: {torch_err}")
     return 0
+
+
+def _shared_cores(world) -> str:
+    """'' when every rank of a node may run on its own cores; otherwise why ranks compete."""
+    n = 1024  # CPU ids covered by the bitmap
+    mine = torch.zeros(1, n, dtype=torch.uint8)
+    mine[0, [c for c in os.sched_getaffinity(0) if c < n]] = 1
+    masks = world.node.allgather(mine).bool()
+    cpus = int(masks.any(0).sum())
+    if world.node.size > cpus:
+        return f"{world.node.size} ranks on {cpus} cores: ranks share cores (oversubscribed)"
+    if any(bool((masks[i] & masks[j]).any()) for i in range(len(masks))
+           for j in range(i + 1, len(masks))):
+        return ("ranks are not bound and may share cores (mpirun --bind-to core pins them "
+                "when the machine is yours)")
+    return ""
+
+
+def _p2p_latency(world, numel: int, wait: str, reps: int = 50) -> float:
+    """One-way time of one activation between ranks 0 and 1 (ping-pong median, seconds),
+    received the way the engine receives (``wait`` policy)."""
+    from hpctrain.runtime.comm.idle import wait_idle
+
+    buf = torch.zeros(numel)
+    peer = 1 - world.rank
+
+    def recv():
+        if wait == "spin":
+            world.host.recv(buf, peer, 7)
+        else:
+            wait_idle(world.host.irecv(buf, peer, 7))
+
+    times = []
+    for _ in range(reps if world.rank < 2 else 0):
+        t0 = time.perf_counter()
+        if world.rank == 0:
+            world.host.send(buf, 1, 7)
+            recv()
+        else:
+            recv()
+            world.host.send(buf, 0, 7)
+        times.append((time.perf_counter() - t0) / 2)
+    _idle_barrier(world)
+    return statistics.median(times) if times else 0.0
+
+
+def _print(rows, size, layers, width, micro, steps, warmup, v, load0, shared, latency,
+           waits) -> None:
+    print(f"pipeline bench: {size} ranks, cpu, {layers} x Linear({width})+GELU, "
+          f"micro-batch {micro}, median of {steps} steps after {warmup} warm-up, v={v}, "
+          f"load average {load0:.2f} -> {os.getloadavg()[0]:.2f}")
+    if shared:
+        print(f"  warning: {shared}; a busy neighbour slows the stages and the bubble grows")
+    if rows:
+        least = min(min(bd["fwd"]) for *_, bd in rows)
+        print(f"  one activation ({micro}x{width} fp32, {micro * width * 4 // 1024} KiB) crosses a "
+              f"stage boundary in {latency * 1e6:.0f} us (ping-pong, wait {waits[-1]}); the "
+              f"shortest stage compute per micro-batch is {least * 1e3:.2f} ms = "
+              f"{least / max(latency, 1e-9):.0f}x that")
+        if least < 20 * latency:  # messages are no longer a small fixed cost per step
+            print("  warning: compute per micro-batch is within 20x of one message: the table "
+                  "measures latency more than the schedule (raise --micro-batch or --width)")
+    print("  bubble = idle share of the step span. sim = bubble the schedule would have with "
+          "free communication and\n  every stage at its measured median fwd/bwd time; excess "
+          "over formula = imbal (sim - formula: unequal\n  stages) + jitter (every action at its "
+          "own measured time) + comm (the rest: messages, latency, wake-ups)")
+    print(f"  {'schedule':<17}{'p':>2}{'m':>4}{'v':>3} {'wait':<6}"
+          f"{'bubble per stage (measured)':<30}"
+          f"{'mean':>7}{'formula':>9}{'ratio':>7}{'sim':>7}{'imbal':>7}{'jitter':>7}{'comm':>7}"
+          f"{'overhead':>9}{'samples/s':>11}{'torch':>9}{'ours/torch':>11}")
+    for sched, p, m, vv, wait, per, formula, ours, theirs, over, bd in rows:
+        mean = sum(per) / len(per)
+        stages = " ".join(f"{b:.3f}" for b in per)
+        t = f"{theirs:9.0f}{ours / theirs:11.2f}" if theirs else f"{'-':>9}{'-':>11}"
+        sim, act = bd["sim_stage"], bd["sim_actual"]
+        print(f"  {sched:<17}{p:>2}{m:>4}{vv:>3} {wait:<6}{stages:<30}{mean:7.3f}{formula:9.3f}"
+              f"{mean / formula:7.2f}{sim:7.3f}{sim - formula:+7.3f}{act - sim:+7.3f}"
+              f"{mean - act:+7.3f}{over:9.3f}{ours:11.0f}{t}")
+    print("  compute per micro-batch, median ms forward/backward of each stage (last: with loss):")
+    for sched, p, m, vv, wait, *_, bd in rows:
+        cells = " ".join(f"{f * 1e3:.2f}/{b * 1e3:.2f}" for f, b in zip(bd["fwd"], bd["bwd"]))
+        print(f"  {sched:<17}{p:>2}{m:>4}{vv:>3} {wait:<6}{cells}")

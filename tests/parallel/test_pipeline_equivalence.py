@@ -33,6 +33,12 @@ def _cases(mesh):
                       "train": {**_train(model, opt, accum), "strategy": "pipeline"},
                       "pipeline": {"schedule": sched, "microbatches": 4, "virtual_stages": 2},
                       "runtime": {"mesh": mesh}, "key": [model, opt, accum]})
+    # Stages split by layer times measured on every rank: whatever split the (noisy) times
+    # give, all ranks must agree on it and training must still match single-process.
+    cases.append({"name": f"{mesh}-mlp-sgd-1f1b-measured",
+                  "train": {**_train("mlp", "sgd"), "strategy": "pipeline"},
+                  "pipeline": {"schedule": "1f1b", "microbatches": 4, "balance": "measured"},
+                  "runtime": {"mesh": mesh}, "key": ["mlp", "sgd", 1]})
     return cases
 
 

@@ -48,11 +48,45 @@ def test_ideal_bubble_equals_formula(name, v, p, m):
     assert got == pytest.approx([want] * p, abs=1e-12)
 
 
+@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)])
+def test_simulate_with_per_action_costs(name, v):
+    # A constant cost function reproduces the scalar costs (and the formula) ...
+    acts = sched.build(name, 2, 4, v)
+    const = sched.simulate(acts, v, cost=lambda op, mb, g: 1.0 if op == "F" else 2.0)
+    assert const == sched.simulate(acts, v, 1.0, 2.0)
+    # ... and a slower stage makes the mean bubble exceed the formula (the bench reports it as
+    # stage imbalance).
+    slow = sched.simulate(acts, v, cost=lambda op, mb, g: (1.0 if op == "F" else 2.0) *
+                          (1.5 if g == 1 else 1.0))
+    assert sum(slow["bubble"]) / 2 > sched.bubble_formula(2, 4, v)
+
+
+def test_simulate_gpipe_makespan_with_a_slow_last_stage():
+    # p=2: stage 1 (f1, b1) slower than stage 0 (f0, b0): stage 1 runs back to back after
+    # stage 0's first forward, and stage 0's last backward follows: f0 + m(f1 + b1) + b0.
+    f, b, m = [1.0, 1.5], [2.0, 3.5], 6
+    got = sched.simulate(sched.build("gpipe", 2, m), 1,
+                         cost=lambda op, mb, g: f[g] if op == "F" else b[g])
+    assert got["makespan"] == pytest.approx(f[0] + m * (f[1] + b[1]) + b[0])
+    assert got["busy"] == pytest.approx([m * (f[0] + b[0]), m * (f[1] + b[1])])
+
+
 def test_interleaved_needs_multiple_of_p():
     with pytest.raises(ValueError, match="multiple of the pipeline depth"):
         sched.build("interleaved-1f1b", 4, 6, 2)
     with pytest.raises(ValueError, match="unknown pipeline schedule"):
         sched.build("zigzag", 2, 4)
+
+
+def test_balanced_split_with_costs_measured_per_rank():
+    # Identical layers, rank 1 twice as slow: it gets half as many layers.
+    assert plan.balanced_split([[1.0] * 6, [2.0] * 6], 2) == [0, 4]
+    assert plan.balanced_split([[2.0] * 6, [1.0] * 6], 2) == [0, 2]
+    # Equal ranks: the same split as one shared cost list.
+    assert plan.balanced_split([[5, 1, 1, 1, 1, 1]] * 2, 2) == plan.balanced_split(
+        [5, 1, 1, 1, 1, 1], 2)
+    # Interleaved placement: stage s runs on rank s % p (p=2, 4 stages).
+    assert plan.balanced_split([[1.0] * 12, [2.0] * 12], 4) == [0, 4, 6, 10]
 
 
 def test_balanced_split_minimises_the_largest_stage():

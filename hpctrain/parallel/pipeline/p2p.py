@@ -10,12 +10,15 @@ their own tag, so their order is the schedule's order (MPI never overtakes on on
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 
 import torch
 
-__all__ = ["StageLinks", "ShapeError"]
+from hpctrain.runtime.comm.idle import wait_idle
+
+__all__ = ["StageLinks", "ShapeError", "WAITS"]
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
            torch.int32, torch.uint8, torch.int8, torch.bool)
@@ -24,6 +27,13 @@ _HEADER = 10  # dtype index, ndim, up to 8 dims
 
 class ShapeError(RuntimeError):
     """A tensor crossing a stage boundary changed shape or dtype after the first micro-batch."""
+
+
+# How a blocked receive waits. "spin": the backend's blocking recv (Open MPI busy-polls a
+# core). "yield": poll with sched_yield in between (gives the core to another runnable
+# process, spins otherwise). "sleep": poll with naps of 10-50 us (runtime.comm.idle): never
+# competes with a computing stage for a core, costs a nap of latency per message at most.
+WAITS = ("spin", "yield", "sleep")
 
 
 class StageLinks:
@@ -39,6 +49,9 @@ class StageLinks:
         self._pending: list = []           # (request, tensor kept alive until sent)
         self._local: dict[int, deque] = {} # tag -> messages to this same rank
         self.recv_wait = 0.0               # seconds blocked in receives (idle time)
+        # How a receive waits (WAITS). On a GPU the backend's recv only orders the streams
+        # and the host must not block on the kernel, so only CPU ranks sleep-poll.
+        self.wait = "sleep" if device.type == "cpu" else "spin"
 
     # tags: activations 3b, gradients 3b+1, headers 3b+2
     def _rank(self, stage: int) -> int:
@@ -62,7 +75,15 @@ class StageLinks:
                                    "yet; the schedule is out of order")
             return q.popleft()
         t0 = time.perf_counter()
-        self.comm.recv(out, src, tag)
+        if self.wait == "spin":
+            self.comm.recv(out, src, tag)
+        else:
+            req = self.comm.irecv(out, src, tag)
+            if self.wait == "yield":
+                while not req.test():
+                    os.sched_yield()
+            else:
+                wait_idle(req)
         self.recv_wait += time.perf_counter() - t0
         return out
 
@@ -109,6 +130,6 @@ class StageLinks:
 
     def wait_all(self) -> None:
         """Complete every pending send (end of a step)."""
-        for req, _ in self._pending:
-            req.wait()
+        for req, _ in self._pending:  # the last sends complete while neighbours compute
+            req.wait() if self.wait == "spin" else wait_idle(req)
         self._pending.clear()

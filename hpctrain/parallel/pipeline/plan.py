@@ -20,24 +20,34 @@ def check_fits(n_layers: int, p: int, v: int, schedule: str) -> None:
         f"at least one); use pp <= {n_layers} in --mesh or a deeper model")
 
 
-def balanced_split(costs: list[float], stages: int) -> list[int]:
+def balanced_split(costs, stages: int) -> list[int]:
     """Start index of each of ``stages`` contiguous non-empty groups minimising the largest
-    group cost (dynamic programming; ties go to the earliest split)."""
-    n = len(costs)
+    group cost (dynamic programming; ties go to the earliest split).
+
+    ``costs`` is one cost per layer, or one such list per pipeline rank (layer costs as
+    measured on that rank): group s then runs on rank s % len(costs) and costs what the
+    layers cost there, so a slower rank gets fewer layers."""
+    per_rank = [list(map(float, c)) for c in costs] if costs and isinstance(
+        costs[0], (list, tuple)) else [list(map(float, costs))]
+    n = len(per_rank[0])
     if not 1 <= stages <= n:
         raise ValueError(f"cannot split {n} layers into {stages} non-empty stages")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + float(c))
+    prefix = []
+    for row in per_rank:
+        acc = [0.0]
+        for c in row:
+            acc.append(acc[-1] + c)
+        prefix.append(acc)
     inf = float("inf")
     # best[s][i]: minimal max cost of putting layers [0, i) into s groups
     best = [[inf] * (n + 1) for _ in range(stages + 1)]
     cut = [[0] * (n + 1) for _ in range(stages + 1)]
     best[0][0] = 0.0
     for s in range(1, stages + 1):
+        pre = prefix[(s - 1) % len(prefix)]  # group s-1 (0-based) runs on this rank
         for i in range(s, n - (stages - s) + 1):
             for j in range(s - 1, i):
-                val = max(best[s - 1][j], prefix[i] - prefix[j])
+                val = max(best[s - 1][j], pre[i] - pre[j])
                 if val < best[s][i] - 1e-12:
                     best[s][i], cut[s][i] = val, j
     starts, i = [], n

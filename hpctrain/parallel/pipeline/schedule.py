@@ -101,10 +101,15 @@ def bubble_formula(p: int, m: int, v: int = 1) -> float:
     return (p - 1) / (v * m + p - 1)
 
 
-def simulate(schedules: list[list[Action]], v: int = 1, t_f: float = 1.0, t_b: float = 2.0):
+def simulate(schedules: list[list[Action]], v: int = 1, t_f: float = 1.0, t_b: float = 2.0,
+             cost=None):
     """Run the schedules on an ideal machine (no communication cost); return per-rank
     (busy, finish) times and the makespan. Raises ValueError if the schedules deadlock or a
-    dependency is missing, so a schedule that passes here cannot hang over MPI."""
+    dependency is missing, so a schedule that passes here cannot hang over MPI.
+
+    Every forward costs ``t_f`` and every backward ``t_b``, unless ``cost(op, mb, stage)``
+    is given: then each action costs what it returns (the bench passes measured times, to
+    tell unequal stages apart from communication)."""
     p = len(schedules)
     S = p * v
     done: dict = {}      # (op, mb, stage) -> finish time
@@ -126,9 +131,9 @@ def simulate(schedules: list[list[Action]], v: int = 1, t_f: float = 1.0, t_b: f
                 if any(d not in done for d in deps):
                     break
                 start = max([free[r]] + [done[d] for d in deps])
-                cost = t_f if a.op == "F" else t_b
-                done[(a.op, a.mb, g)] = free[r] = start + cost
-                busy[r] += cost
+                dt = cost(a.op, a.mb, g) if cost else (t_f if a.op == "F" else t_b)
+                done[(a.op, a.mb, g)] = free[r] = start + dt
+                busy[r] += dt
                 pos[r] += 1
                 finished += 1
                 progressed = True

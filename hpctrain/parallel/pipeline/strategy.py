@@ -203,29 +203,34 @@ def _allgather_json(comm, obj) -> list:
     return [json.loads(bytes(out[r, :sizes[r]].tolist()).decode()) for r in range(comm.size)]
 
 
-def _layer_costs(stack, opts: PipelineOptions, world) -> list[float]:
-    """Per-layer cost: parameter count, or forward+backward seconds measured on world rank 0
-    (one layer built at a time) and broadcast so every rank splits the same way."""
+def _layer_costs(stack, opts: PipelineOptions, pp, dp):
+    """Per-layer cost: parameter count, or forward+backward seconds measured on each pipeline
+    rank (one list per rank: the split gives a slower rank fewer layers). All ranks measure
+    at once, as they compute in the steady state (one rank timing while the others wait in a
+    collective would time it under their polling); replicas over dp keep their slowest time,
+    so every rank computes the same split."""
     if opts.balance == "param-count":
         return [float(c) for c in stack.param_counts()]
-    costs = torch.zeros(len(stack), dtype=torch.float64)
-    if world.rank == 0:
-        if opts.sample is None:
-            raise ValueError("pipeline.balance = 'measured' needs a sample micro-batch")
-        x = opts.sample
-        for i, layer in enumerate(stack.layers):
-            root = stack.build([i])
-            times = []
-            for _ in range(3):
-                inp = x.detach().requires_grad_(x.is_floating_point())
-                t0 = time.perf_counter()
-                out = layer.forward(root, inp)
-                out.float().sum().backward()
-                times.append(time.perf_counter() - t0)
-            costs[i] = sorted(times)[1]
-            x = out.detach()
-            del root
-    world.host.broadcast(costs, 0)
+    if opts.sample is None:
+        raise ValueError("pipeline.balance = 'measured' needs a sample micro-batch")
+    costs = torch.zeros(1, len(stack), dtype=torch.float64, device=pp.device)
+    x = opts.sample
+    for i, layer in enumerate(stack.layers):
+        root = stack.build([i]).to(x.device)
+        times = []
+        for _ in range(3):
+            inp = x.detach().requires_grad_(x.is_floating_point())
+            t0 = time.perf_counter()
+            out = layer.forward(root, inp)
+            out.float().sum().backward()
+            times.append(time.perf_counter() - t0)
+        costs[0, i] = sorted(times)[1]
+        x = out.detach()
+        del root
+    if dp.size > 1:
+        dp.allreduce(costs, op="max")
+    if pp.size > 1:
+        costs = pp.allgather(costs)
     return costs.tolist()
 
 
@@ -244,7 +249,7 @@ def wrap(stack, make_optimizer: OptimizerFactory, world, options: PipelineOption
     mesh = world.mesh(layout)
     pp, dp = mesh.comm("pp"), mesh.comm("dp")
     if starts is None:
-        starts = plan.balanced_split(_layer_costs(stack, opts, world), p * v)
+        starts = plan.balanced_split(_layer_costs(stack, opts, pp, dp), p * v)
     groups = plan.stage_layers(starts, len(stack))
     my_stages = [sched.stage_of(pp.rank, c, p) for c in range(v)]
     owned = [i for g in my_stages for i in groups[g]]
