@@ -38,11 +38,15 @@ def _reference(tmp_path_factory):
     return _ref["single"]
 
 
-@pytest.mark.parametrize("world, mesh", [(None, ""), (2, "dom=2"), (4, "dom=4"), (4, "dom=2x2"), (4, "dp=2,dom=2")])
-def test_domain_matches_single(tmp_path_factory, world, mesh):
+# Overlap (interior while halos fly) is off by default; dom=2x2 runs with it on.
+@pytest.mark.parametrize("world, mesh, overlap", [(None, "", False), (2, "dom=2", False),
+                                                  (4, "dom=4", False), (4, "dom=2x2", True),
+                                                  (4, "dp=2,dom=2", False)])
+def test_domain_matches_single(tmp_path_factory, world, mesh, overlap):
     ref = _reference(tmp_path_factory)
     got = _run(_ref["tmp"], f"dom-{mesh}", world,
-               ["--strategy", "domain"] + (["--mesh", mesh] if mesh else []))
+               ["--strategy", "domain"] + (["--mesh", mesh] if mesh else [])
+               + (["--set", "domain.overlap=true"] if overlap else []))
     assert got["strategy"] == "domain" and got["world_size"] == (world or 1)
     assert len(got["losses"]) == 20
     np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5, atol=0)

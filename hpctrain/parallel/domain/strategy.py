@@ -27,7 +27,7 @@ class DomainOptions:
     """The mesh ('' = all ranks in one domain group) and whether to overlap halos with compute."""
 
     mesh: str = ""
-    overlap: bool = True
+    overlap: bool = False
 
 
 def domain_layout(mesh: str, world_size: int):
