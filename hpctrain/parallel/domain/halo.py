@@ -111,8 +111,8 @@ class HaloPlan:
     recv: list = field(default_factory=list)    # (peer, tag, dst slices)
     send: list = field(default_factory=list)    # (peer, tag, src slices)
     fill: float = 0.0
-    _windows: dict = field(default_factory=dict, repr=False, compare=False)
-    _messages: dict = field(default_factory=dict, repr=False, compare=False)
+    _windows: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _messages: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def communicates(self) -> bool:
