@@ -3,9 +3,9 @@
 Shared by zero (stages 1-3) and fsdp; a strategy picks the knobs (``ShardPlan``):
 
 - ``persistent_grads`` (zero1): full gradients live in one flat buffer per unit and are
-  reduce-scattered at the step; otherwise each unit's gradients are packed and
-  reduce-scattered as soon as they are all accumulated in the last micro-batch's backward,
-  and the full ones freed.
+  reduce-scattered at the step; otherwise each unit's gradients are reduce-scattered, piece
+  by piece (``_reduce``), as soon as they are all accumulated in the last micro-batch's
+  backward, and the full ones freed.
 - ``on_demand`` units (zero3, FULL_SHARD, SHARD_GRAD_OP) exist in full only while a
   ``GatherSchedule`` needs them; the others keep their full buffer and are refreshed from
   the shards after each step.
