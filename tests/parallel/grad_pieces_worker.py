@@ -17,7 +17,7 @@ from hpctrain.runtime.world import init_world
 
 world = init_world()
 N = world.size
-DEFAULT_PIECE = engine._PIECE_BYTES
+DEFAULT_PIECE, DEFAULT_MIN = engine._PIECE_BYTES, engine._MIN_RANK_PIECE_BYTES
 
 
 class Net(nn.Module):
@@ -50,6 +50,7 @@ def options(strategy):
 checked = 0
 for piece in (DEFAULT_PIECE, 64):  # 64 bytes: 4 elements per rank per piece at 4 ranks
     engine._PIECE_BYTES = piece
+    engine._MIN_RANK_PIECE_BYTES = 4 if piece < DEFAULT_PIECE else DEFAULT_MIN
     for strategy in ("zero2", "zero3", "fsdp"):
         torch.manual_seed(0)
         model = Net()

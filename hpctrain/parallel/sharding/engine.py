@@ -35,8 +35,11 @@ from hpctrain.runtime.malloc import release_free_heap
 __all__ = ["ShardPlan", "ShardedModel", "broadcast_state", "nbytes"]
 
 # Gradient bytes packed for one reduce-scatter (all ranks' pieces together): bounds the
-# transient next to a unit's gradients; bigger pieces only save a few collective calls.
+# transient next to a unit's gradients; bigger pieces only save a few collective calls...
 _PIECE_BYTES = 1 << 20
+# ...but each rank's part of a piece stays at least this big, or many ranks would turn a
+# unit into many latency-bound collectives (the buffer is then N x this, at most the unit).
+_MIN_RANK_PIECE_BYTES = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -137,7 +140,8 @@ class ShardedModel(Parallelized):
         if n == 1:  # one rank per shard group: the shard is the whole buffer
             u.grad_range(0, size, part, grads)
         else:
-            step = max(1, min(size, _PIECE_BYTES // (n * part.element_size())))
+            esize = part.element_size()
+            step = min(size, max(1, _PIECE_BYTES // (n * esize), _MIN_RANK_PIECE_BYTES // esize))
             buf = torch.empty(n * step, dtype=dtype, device=device)
             self._peak_transient = max(self._peak_transient, buf.numel() * buf.element_size())
             for a in range(0, size, step):
