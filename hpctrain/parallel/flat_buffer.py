@@ -8,6 +8,7 @@ parameter count shards over any world size; the padding is zero and stays zero.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import warnings
 from dataclasses import dataclass
@@ -75,6 +76,7 @@ class FlatUnit:
             slots.append(Slot(pname, p, offset, p.numel(), tuple(p.shape)))
             offset += p.numel()
         self.slots = slots
+        self._starts = [s.offset for s in slots]  # for bisect in grad_range
         self.numel = offset
         n = max(comm.size, 1)
         self.padded = -(-offset // n) * n  # ceil to a multiple of the world size
@@ -144,6 +146,19 @@ class FlatUnit:
         for s in self.slots:
             if s.param.grad is not None:
                 out[s.offset:s.offset + s.numel].copy_(s.param.grad.reshape(-1))
+        return out
+
+    def grad_range(self, lo: int, hi: int, out: torch.Tensor, grads: list) -> torch.Tensor:
+        """Copy flat elements [lo, hi) of the packed gradient into out (missing grads and
+        padding as zeros) without packing the whole unit; grads[j]: slot j's flat grad or None."""
+        out.zero_()
+        j = bisect.bisect_right(self._starts, lo) - 1
+        for s, g in zip(self.slots[max(j, 0):], grads[max(j, 0):]):
+            if s.offset >= hi:
+                break
+            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+            if g is not None and b > a:
+                out[a - lo:b - lo].copy_(g[a - s.offset:b - s.offset])
         return out
 
     def owned_ranges(self, slots=None) -> list[tuple[int, int]]:

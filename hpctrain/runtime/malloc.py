@@ -16,12 +16,13 @@ import ctypes
 import os
 from typing import Mapping
 
-__all__ = ["ENV", "DEFAULT_KB", "mmap_threshold_kb", "tune_malloc"]
+__all__ = ["ENV", "DEFAULT_KB", "mmap_threshold_kb", "release_free_heap", "tune_malloc"]
 
 ENV = "HPCTRAIN_MMAP_THRESHOLD_KB"
 DEFAULT_KB = 0  # see the docstring: speed over peak RSS unless asked
 _M_MMAP_THRESHOLD = -3  # from glibc's malloc.h
 _applied: int | None = None
+_libc = None  # glibc, once tune_malloc fixed a threshold (release_free_heap trims then)
 
 
 def mmap_threshold_kb(env: Mapping[str, str]) -> int:
@@ -43,7 +44,7 @@ def mmap_threshold_kb(env: Mapping[str, str]) -> int:
 
 def tune_malloc(env: Mapping[str, str] | None = None) -> int:
     """Fix glibc's mmap threshold once per process (a local call); return the KB set (0: none)."""
-    global _applied
+    global _applied, _libc
     if _applied is not None:
         return _applied
     kb = mmap_threshold_kb(os.environ if env is None else env)
@@ -55,4 +56,16 @@ def tune_malloc(env: Mapping[str, str] | None = None) -> int:
             return 0
         if libc.mallopt(_M_MMAP_THRESHOLD, kb * 1024) == 1:
             _applied = kb
+            _libc = libc
     return _applied
+
+
+def release_free_heap() -> None:
+    """Give the heap's free pages back to the OS (malloc_trim; tens of microseconds) when a
+    fixed threshold asked for low peak RSS; otherwise do nothing.
+
+    Tensors under the threshold (activations, small gradients) live in the heap, and
+    freeing them leaves holes that stay resident until trimmed: 4-6 MB of the peak of a
+    20M-param zero3 rank at 4 ranks."""
+    if _libc is not None:
+        _libc.malloc_trim(0)

@@ -3,9 +3,9 @@
 Shared by zero (stages 1-3) and fsdp; a strategy picks the knobs (``ShardPlan``):
 
 - ``persistent_grads`` (zero1): full gradients live in one flat buffer per unit and are
-  reduce-scattered at the step; otherwise each unit's gradients are packed and
-  reduce-scattered as soon as they are all accumulated in the last micro-batch's backward,
-  and the full ones freed.
+  reduce-scattered at the step; otherwise each unit's gradients are reduce-scattered, piece
+  by piece (``_reduce``), as soon as they are all accumulated in the last micro-batch's
+  backward, and the full ones freed.
 - ``on_demand`` units (zero3, FULL_SHARD, SHARD_GRAD_OP) exist in full only while a
   ``GatherSchedule`` needs them; the others keep their full buffer and are refreshed from
   the shards after each step.
@@ -30,8 +30,16 @@ from torch import nn
 from hpctrain.parallel.base import Parallelized
 from hpctrain.parallel.flat_buffer import FlatUnit
 from hpctrain.parallel.sharded_optim import preserve_elements
+from hpctrain.runtime.malloc import release_free_heap
 
 __all__ = ["ShardPlan", "ShardedModel", "broadcast_state", "nbytes"]
+
+# Gradient bytes packed for one reduce-scatter (all ranks' pieces together): bounds the
+# transient next to a unit's gradients; bigger pieces only save a few collective calls...
+_PIECE_BYTES = 1 << 20
+# ...but each rank's part of a piece stays at least this big, or many ranks would turn a
+# unit into many latency-bound collectives (the buffer is then N x this, at most the unit).
+_MIN_RANK_PIECE_BYTES = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -53,7 +61,6 @@ class _UnitState:
         self.unit = unit
         self.had = [False] * len(unit.slots)   # got a gradient this step (this rank)
         self.arrived: set = set()              # slots whose grad arrived this micro-batch
-        self.flat = None                       # packed gradients being collected
         self.reduced = False                   # reduce-scattered during the last backward
         self.grad_buf = None                   # persistent_grads: the flat gradient buffer
 
@@ -109,37 +116,44 @@ class ShardedModel(Parallelized):
         st.arrived.add(j)
         if len(st.arrived) == len(st.unit.slots):
             # Its backward is over (every use of its params is done): free the gathered
-            # params BEFORE the flat gradient is allocated, so the two never coexist.
+            # params BEFORE its gradients are reduced, so the two never coexist longer.
             if self.plan.on_demand:
                 st.unit.free()
             if self._final:  # non-final micro-batches accumulate locally: no communication
-                for k in range(len(st.unit.slots)):
-                    self._pack(st, k)
                 self._reduce(st)
                 st.reduced = True
-
-    def _pack(self, st: _UnitState, j: int) -> None:
-        """Move slot j's gradient into the unit's flat buffer and free it."""
-        u, s = st.unit, st.unit.slots[j]
-        if st.flat is None:
-            st.flat = torch.zeros(u.padded, dtype=self.plan.reduce_dtype or u.full.dtype,
-                                  device=u.full.device)
-        st.flat[s.offset:s.offset + s.numel].copy_(s.param.grad.reshape(-1))
-        s.param.grad = None
-        self._peak_transient = max(self._peak_transient, st.flat.numel() * st.flat.element_size())
+            release_free_heap()  # the activations freed so far: before the next unit's peak
 
     def _reduce(self, st: _UnitState) -> None:
-        """Reduce-scatter the unit's flat gradient (SUM) into its shard gradient (collective
-        over the shard group, then an all-reduce over the replicas)."""
+        """Reduce-scatter the unit's gradients (SUM) into its shard gradient (collective over
+        the shard group, then an all-reduce over the replicas) and free the full ones.
+
+        The gradients are never packed into one unit-sized buffer: piece by piece, each
+        rank's next elements are copied into a buffer of at most _PIECE_BYTES and that is
+        reduce-scattered into the shard gradient, so the transient is bounded by the piece,
+        not by the unit (a unit-sized buffer next to the unit's gradients was 2 units)."""
         u = st.unit
-        flat = st.flat
-        if flat is None:
-            flat = u.flat_grad(torch.zeros(u.padded, dtype=self.plan.reduce_dtype or u.full.dtype,
-                                           device=u.full.device))
-        st.flat = None
-        # One rank per shard group: the shard is the whole buffer, no copy needed.
-        part = flat if self.comm.size == 1 else self.comm.reduce_scatter(flat, op="sum")
-        del flat
+        n, size = self.comm.size, u.shard_numel
+        dtype, device = self.plan.reduce_dtype or u.full.dtype, u.full.device
+        grads = [None if s.param.grad is None else s.param.grad.reshape(-1) for s in u.slots]
+        part = torch.empty(size, dtype=dtype, device=device)
+        if n == 1:  # one rank per shard group: the shard is the whole buffer
+            u.grad_range(0, size, part, grads)
+        else:
+            esize = part.element_size()
+            step = min(size, max(1, _PIECE_BYTES // (n * esize), _MIN_RANK_PIECE_BYTES // esize))
+            buf = torch.empty(n * step, dtype=dtype, device=device)
+            self._peak_transient = max(self._peak_transient, buf.numel() * buf.element_size())
+            for a in range(0, size, step):
+                b = min(a + step, size)
+                piece = buf[:n * (b - a)].view(n, b - a)
+                for r in range(n):
+                    u.grad_range(r * size + a, r * size + b, piece[r], grads)
+                self.comm.reduce_scatter(piece.view(-1), out=part[a:b], op="sum")
+            del buf
+        del grads
+        for s in u.slots:
+            s.param.grad = None
         if self.replicate is not None:
             self.replicate.allreduce(part, op="sum")
         if part.dtype != u.shard.dtype or part.device != u.shard.device:
@@ -169,9 +183,6 @@ class ShardedModel(Parallelized):
                 st.grad_buf[u.lo:u.hi].copy_(tmp)
                 continue
             if not st.reduced:
-                for j, s in enumerate(u.slots):
-                    if s.param.grad is not None:
-                        self._pack(st, j)
                 self._reduce(st)
             st.reduced = False
             if self.plan.on_demand:
