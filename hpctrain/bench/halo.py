@@ -55,7 +55,8 @@ def _exchange_bench(world, size, channels, batch, reps):
         boxes.append((tuple(a for a, _ in w), tuple(b for _, b in w)))
     plan = make_plan(grid, glob, boxes, (True, True))  # periodic: two neighbours per rank
     lo, hi = grid.tile(glob)
-    x = torch.randn((batch, channels) + tuple(b - a for a, b in zip(lo, hi)))
+    # requires_grad: time the training path (the autograd Function that records the adjoint).
+    x = torch.randn((batch, channels) + tuple(b - a for a, b in zip(lo, hi)), requires_grad=True)
     comm_only = dataclasses.replace(plan, local=[], fills=[])  # no copy of the tile itself
     t_full = _median_s(lambda: halo_exchange(x, plan, comm), reps, mpi)
     t_comm = _median_s(lambda: halo_exchange(x, comm_only, comm), reps, mpi)
@@ -72,7 +73,7 @@ def _exchange_bench(world, size, channels, batch, reps):
         mpi.Sendrecv([s1, MPI.FLOAT], dest=up, recvbuf=[r1, MPI.FLOAT], source=down)
         mpi.Sendrecv([s2, MPI.FLOAT], dest=down, recvbuf=[r2, MPI.FLOAT], source=up)
     t_raw = _median_s(raw, reps, mpi)
-    xa = x.numpy()
+    xa = x.detach().numpy()
     win = torch.zeros((batch, channels) + plan.window_shape).numpy()
     rows = xa.shape[2]
 

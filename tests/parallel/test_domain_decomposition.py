@@ -34,7 +34,7 @@ def test_grid_shape_pads_and_rejects():
         grid_shape_for((2, 2, 2), 2)
 
 
-@pytest.mark.parametrize("k, s, d, p", itertools.product((1, 3, 5, 7), (1, 2), (1, 2), (0, 1, 3)))
+@pytest.mark.parametrize("k, s, d, p", list(itertools.product((1, 3, 5, 7), (1, 2), (1, 2), (0, 1, 3))))
 def test_window_is_the_receptive_field(k, s, d, p):
     g = WindowGeometry(k, s, d, p, p)
     n = 23
@@ -80,3 +80,28 @@ def test_window_pieces_include_corners():
     assert corner[0].src == (slice(0, 1), slice(0, 1)) and corner[0].dst == (slice(4, 5), slice(4, 5))
     covered = sum((p.dst[0].stop - p.dst[0].start) * (p.dst[1].stop - p.dst[1].start) for p in pieces)
     assert covered == 25
+
+
+def test_window_buffer_is_reused_only_when_free():
+    """A window is reused across calls, never while a tensor (or autograd) still holds it."""
+    import torch
+
+    from hpctrain.parallel.domain.halo import HaloPlan
+
+    plan = HaloPlan((4, 5), fills=[(slice(0, 1), slice(0, 5))], fill=-1.0)
+    x = torch.zeros(2, 3, 3)
+    w1 = plan.window_buffer((2,), x)
+    assert w1.shape == (2, 4, 5) and bool((w1[:, 0] == -1).all())   # fills written once
+    w2 = plan.window_buffer((2,), x)                                  # w1 alive: a new buffer
+    assert w2.data_ptr() != w1.data_ptr()
+    ptr = w2.data_ptr()
+    weight = torch.ones(5, requires_grad=True)
+    y = (w2 * weight).sum()                                           # autograd saves w2
+    del w2
+    assert plan.window_buffer((2,), x).data_ptr() != ptr              # still saved for backward
+    w3 = plan.window_buffer((2,), x)
+    ptr3 = w3.data_ptr()
+    y.backward()
+    del w3, y
+    assert plan.window_buffer((2,), x).data_ptr() == ptr3             # free again: reused
+    assert plan.window_buffer((2,), x.double()).dtype == torch.float64  # one cache per dtype

@@ -155,9 +155,7 @@ class HaloPlan:
                 base[_ix(dst)] = self.fill
             entry = (base, base.untyped_storage())
             self._windows[key] = entry
-        base, storage = entry
-        return torch.empty(0, dtype=base.dtype, device=base.device).set_(
-            storage, 0, base.shape, base.stride())
+        return entry[0].detach()  # a new tensor on the same storage (counted by _unused)
 
 
 def _by_peer(boxes: list) -> list:
@@ -167,10 +165,12 @@ def _by_peer(boxes: list) -> list:
     return [(peer, tag, tuple(bx)) for peer, tag, bx in out.values()]
 
 
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)  # absent: never reuse, always safe
+
+
 def _unused(storage) -> bool:
     """True when only the window cache refers to this storage (its tensor and itself)."""
-    count = getattr(torch._C, "_storage_Use_Count", None)
-    return count is not None and count(storage._cdata) <= 2
+    return _USE_COUNT is not None and _USE_COUNT(storage._cdata) <= 2
 
 
 def make_plan(grid: DomainGrid, global_shape: tuple[int, ...], boxes: list, periodic: tuple[bool, ...],
