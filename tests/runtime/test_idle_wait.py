@@ -20,11 +20,11 @@ def test_wait_idle_returns_once_done_and_sleeps_meanwhile():
     done = _DoneAt(0.0)
     wait_idle(done)
     assert done.polls == 1  # already complete: one poll, no sleep
-    req = _DoneAt(0.2)
     cpu0, t0 = time.process_time(), time.perf_counter()
+    req = _DoneAt(0.2)
     wait_idle(req)
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    assert wall >= 0.2
+    assert time.perf_counter() >= req.at and wall >= 0.2  # returned only once complete
     # A spinning wait would burn ~100% of a core (and poll millions of times); naps of at
     # most 50 us bound the polls by wall / 50 us and leave most of the core to others.
     assert req.polls <= wall / 50e-6 + 10, req.polls
