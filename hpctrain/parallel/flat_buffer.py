@@ -139,15 +139,6 @@ class FlatUnit:
 
     # ---- gradients ---------------------------------------------------------------------
 
-    def flat_grad(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The parameters' gradients packed into a flat padded buffer (missing ones as zeros)."""
-        if out is None:
-            out = torch.zeros(self.padded, dtype=self.full.dtype, device=self.full.device)
-        for s in self.slots:
-            if s.param.grad is not None:
-                out[s.offset:s.offset + s.numel].copy_(s.param.grad.reshape(-1))
-        return out
-
     def grad_range(self, lo: int, hi: int, out: torch.Tensor, grads: list) -> torch.Tensor:
         """Copy flat elements [lo, hi) of the packed gradient into out (missing grads and
         padding as zeros) without packing the whole unit; grads[j]: slot j's flat grad or None."""

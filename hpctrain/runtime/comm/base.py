@@ -235,9 +235,9 @@ class Communicator(ABC):
         """Start a non-blocking receive from ``source``."""
 
     def _isend_boxes(self, tensor, boxes, dest: int, tag: int) -> Request:
-        """Default: pack the boxes into one buffer (kept alive by the request) and send it."""
-        buf = torch.cat([tensor[box_index(b)].reshape(-1) for b in boxes])
-        return _KeepAlive(self._isend(buf, dest, tag), buf)
+        """Default: pack the boxes into one buffer and send it (the backend's request holds
+        its buffer until complete, as MPIRequest and TorchDistRequest do)."""
+        return self._isend(torch.cat([tensor[box_index(b)].reshape(-1) for b in boxes]), dest, tag)
 
     def _irecv_boxes(self, tensor, boxes, source: int, tag: int) -> Request:
         """Default: receive into one buffer and unpack it into the boxes on wait()."""
@@ -351,25 +351,6 @@ class Communicator(ABC):
 def box_index(box) -> tuple:
     """The index expression of a box ((start, stop) per trailing dim)."""
     return (Ellipsis,) + tuple(slice(lo, hi) for lo, hi in box)
-
-
-class _KeepAlive(Request):
-    """Wraps a request and holds a temporary buffer until it completes."""
-
-    def __init__(self, request: Request, buffer: torch.Tensor):
-        self._request, self._buffer = request, buffer
-
-    def wait(self) -> None:
-        """Block until the operation completes."""
-        self._request.wait()
-        self._buffer = None
-
-    def test(self) -> bool:
-        """Return True if the operation has completed, without blocking."""
-        done = self._request.test()
-        if done:
-            self._buffer = None
-        return done
 
 
 class _Unpack(Request):
