@@ -152,6 +152,7 @@ def check_p2p(comm, backend):
                 raise AssertionError("test() is False after wait()")
             expect(buf, torch.full((2, 2), left + 1, dtype=dt), f"isend/irecv {dt}")
         check_boxes(comm, left, right)
+        check_exchange(comm, left, right)
     comm.barrier()
 
 
@@ -177,6 +178,58 @@ def check_boxes(comm, left, right):
             expect(win, want, f"isend_boxes/irecv_boxes {dt} strided={strided}")
     expect_raises(ValueError, "does not fit", lambda: comm.isend_boxes(
         torch.zeros(2, 3), (((0, 4),),), right), "box outside the tensor")
+
+
+def check_exchange(comm, left, right):
+    """boxes_exchange: two messages each way, started many times over new addresses, layouts
+    and dtypes (the prepared messages must follow the tensors), never stale data."""
+    send_a, recv_a = (((0, 1), (0, 9)), ((6, 7), (2, 5))), (((0, 1), (1, 10)), ((8, 9), (0, 3)))
+    send_b, recv_b = (((3, 5), (0, 9)),), (((4, 6), (1, 10)),)
+    ex = comm.boxes_exchange(recvs=[(left, 3, recv_a), (right, 4, recv_b)],
+                             sends=[(right, 3, send_a), (left, 4, send_b)])
+
+    def field(rank, step, dt, strided):
+        g = torch.Generator().manual_seed(rank * 1000 + step)
+        x = (torch.randn(2, 3, 7, 9, generator=g) * 5).to(dt)
+        if strided:
+            x = torch.zeros(2, 3, 7, 18, dtype=dt)[..., ::2].copy_(x)
+        return x
+
+    def want(step, dt, strided, old):
+        out = old.clone()
+        for src_rank, sends, recvs in ((left, send_a, recv_a), (right, send_b, recv_b)):
+            src = field(src_rank, step, dt, strided)
+            for (a, b), (c, d) in zip(sends, recvs):
+                out[..., c[0]:c[1], d[0]:d[1]] = src[..., a[0]:a[1], b[0]:b[1]]
+        return out
+
+    wins, reused = {}, {}
+    keep = []  # distinct live sources: more addresses than the exchange keeps prepared
+    for step in range(80):
+        dt = (torch.float32, torch.float64, torch.int64)[step % 3] if step < 12 else torch.float32
+        strided = step % 4 == 1
+        x = field(comm.rank, step, dt, strided)
+        if step % 2 == 0:  # the same source again (prepared messages reused), new values
+            x = reused.setdefault((dt, strided), x).copy_(x)
+        else:
+            keep.append(x)
+        win = wins.setdefault(dt, torch.full((2, 3, 9, 11), -1, dtype=dt))
+        old = win.clone()
+        req = ex.start(win, x)
+        if step % 2:
+            while not req.test():
+                pass
+        req.wait()
+        expect(win, want(step, dt, strided, old), f"boxes_exchange step {step} {dt} strided={strided}")
+        comm.barrier()  # no rank rewrites a source a slower peer still reads
+    expect_raises(ValueError, "does not fit", lambda: ex.start(torch.zeros(2, 3, 9, 4), x),
+                  "window too small for the boxes")
+    expect_raises(TypeError, "recv_into must be a torch.Tensor", lambda: ex.start(None, x),
+                  "missing window")
+    expect_raises(ValueError, "not a rank", lambda: comm.boxes_exchange(
+        [(comm.size, 0, recv_a)], []), "bad peer")
+    expect_raises(ValueError, "start <= stop", lambda: comm.boxes_exchange(
+        [], [(right, 0, (((3, 1),),))]), "reversed box")
 
 
 def check_all(comm, backend):

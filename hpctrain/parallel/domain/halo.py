@@ -132,6 +132,14 @@ class HaloPlan:
             self._messages["send"] = _by_peer(self.send)
         return self._messages["send"]
 
+    def exchange(self, comm: Communicator):
+        """The forward messages prepared on ``comm`` (checked once, started every call)."""
+        got = self._messages.get("exchange")
+        if got is None or got[0] is not comm:
+            got = self._messages["exchange"] = (
+                comm, comm.boxes_exchange(self.recv_messages, self.send_messages))
+        return got[1]
+
     def tile_slices(self, tile_shape: tuple[int, ...]):
         """The local copy that covers the whole tile (src, dst), or None."""
         for src, dst in self.local:
@@ -204,72 +212,93 @@ class PendingHalo:
     """An exchange in flight: receives and sends posted, local copies done; ``finish()`` waits.
 
     Receives land straight in the window and sends leave straight from x (strided boxes);
-    the tile's own copy into the window runs while the messages are in flight.
+    the tile's own copy into the window runs while the messages are in flight. ``x`` must
+    not record autograd ops here: pass it detached, or build this inside a Function.
     """
 
     def __init__(self, x: torch.Tensor, plan: HaloPlan, comm: Communicator):
-        x = x.detach()
-        lead = tuple(x.shape[:x.dim() - len(plan.window_shape)])
         self.plan, self.comm = plan, comm
-        self.window = plan.window_buffer(lead, x)
-        self._reqs = [comm.irecv_boxes(self.window, boxes, peer, tag)
-                      for peer, tag, boxes in plan.recv_messages]
-        self._reqs += [comm.isend_boxes(x, boxes, peer, tag)
-                       for peer, tag, boxes in plan.send_messages]
+        self.window = plan.window_buffer(x.shape[:x.dim() - len(plan.window_shape)], x)
+        self._req = plan.exchange(comm).start(self.window, x) if plan.communicates else None
         for src, dst in plan.local:
             self.window[_ix(dst)] = x[_ix(src)]
 
     def finish(self) -> torch.Tensor:
         """Wait for the halos and return the filled window."""
-        for req in self._reqs:
-            req.wait()
-        self._reqs = []
+        if self._req is not None:
+            self._req.wait()
+            self._req = None
         return self.window
 
 
+def _adjoint(ctx, g):
+    """x_grad = H* window_grad: every received box's gradient goes back to its owner, which
+    adds it into its tile gradient (with the local copies' gradients)."""
+    plan, comm = ctx.plan, ctx.comm
+    nd = len(plan.window_shape)
+    lead = ctx.shape[:len(ctx.shape) - nd]
+    recvs = []
+    for peer, tag, boxes in plan.send_messages:
+        shapes = [lead + tuple(b - a for a, b in box) for box in boxes]
+        buf = torch.empty(sum(math.prod(sh) for sh in shapes), dtype=g.dtype, device=g.device)
+        recvs.append((comm.irecv(buf, peer, tag + _BACKWARD_TAG), buf, shapes, boxes))
+    sends = [comm.isend_boxes(g, boxes, peer, tag + _BACKWARD_TAG)
+             for peer, tag, boxes in plan.recv_messages]
+    whole = plan.tile_slices(ctx.shape[len(lead):])
+    if whole is not None:  # one copy instead of zeros + add
+        gx = g[_ix(whole[1])].clone(memory_format=torch.contiguous_format)
+    else:
+        gx = torch.zeros(ctx.shape, dtype=g.dtype, device=g.device)
+    for src, dst in plan.local:
+        if whole is None or (src, dst) != whole:
+            gx[_ix(src)] += g[_ix(dst)]
+    for req, buf, shapes, boxes in recvs:
+        req.wait()
+        start = 0
+        for shape, box in zip(shapes, boxes):
+            n = math.prod(shape)
+            gx[box_index(box)] += buf[start:start + n].view(shape)
+            start += n
+    for req in sends:
+        req.wait()
+    return gx
+
+
 class _HaloFinish(torch.autograd.Function):
-    """window = H x; backward: x_grad = H* window_grad (send back, add into the owner)."""
+    """window = H x for an exchange started earlier (overlap); backward: the adjoint."""
 
     @staticmethod
     def forward(ctx, x, pending):
-        ctx.plan, ctx.comm, ctx.shape = pending.plan, pending.comm, tuple(x.shape)
+        ctx.plan, ctx.comm, ctx.shape = pending.plan, pending.comm, x.shape
         return pending.finish()
 
     @staticmethod
     def backward(ctx, g):
-        plan, comm = ctx.plan, ctx.comm
-        nd = len(plan.window_shape)
-        lead = ctx.shape[:len(ctx.shape) - nd]
-        recvs = []
-        for peer, tag, boxes in plan.send_messages:
-            shapes = [lead + tuple(b - a for a, b in box) for box in boxes]
-            buf = torch.empty(sum(math.prod(sh) for sh in shapes), dtype=g.dtype, device=g.device)
-            recvs.append((comm.irecv(buf, peer, tag + _BACKWARD_TAG), buf, shapes, boxes))
-        sends = [comm.isend_boxes(g, boxes, peer, tag + _BACKWARD_TAG)
-                 for peer, tag, boxes in plan.recv_messages]
-        whole = plan.tile_slices(ctx.shape[len(lead):])
-        if whole is not None:  # one copy instead of zeros + add
-            gx = g[_ix(whole[1])].clone(memory_format=torch.contiguous_format)
-        else:
-            gx = torch.zeros(ctx.shape, dtype=g.dtype, device=g.device)
-        for src, dst in plan.local:
-            if whole is None or (src, dst) != whole:
-                gx[_ix(src)] += g[_ix(dst)]
-        for req, buf, shapes, boxes in recvs:
+        return _adjoint(ctx, g), None
+
+
+class _HaloExchange(torch.autograd.Function):
+    """window = H x, started and finished here: one autograd node, no Python in between."""
+
+    @staticmethod
+    def forward(ctx, x, plan, comm):
+        ctx.plan, ctx.comm, ctx.shape = plan, comm, x.shape
+        window = plan.window_buffer(x.shape[:x.dim() - len(plan.window_shape)], x)
+        req = plan.exchange(comm).start(window, x) if plan.communicates else None
+        for src, dst in plan.local:  # the tile's own copy, while the halos fly
+            window[_ix(dst)] = x[_ix(src)]
+        if req is not None:
             req.wait()
-            start = 0
-            for shape, box in zip(shapes, boxes):
-                n = math.prod(shape)
-                gx[box_index(box)] += buf[start:start + n].view(shape)
-                start += n
-        for req in sends:
-            req.wait()
-        return gx, None
+        return window
+
+    @staticmethod
+    def backward(ctx, g):
+        return _adjoint(ctx, g), None, None
 
 
 def start_halo(x: torch.Tensor, plan: HaloPlan, comm: Communicator) -> PendingHalo:
     """Post the exchange of ``plan`` for x (point to point over comm); finish with halo_finish."""
-    return PendingHalo(x, plan, comm)
+    return PendingHalo(x.detach(), plan, comm)
 
 
 def halo_finish(x: torch.Tensor, pending: PendingHalo) -> torch.Tensor:
@@ -279,4 +308,4 @@ def halo_finish(x: torch.Tensor, pending: PendingHalo) -> torch.Tensor:
 
 def halo_exchange(x: torch.Tensor, plan: HaloPlan, comm: Communicator) -> torch.Tensor:
     """Return this rank's window of the global tensor tiled as x (collective over the plan's peers)."""
-    return halo_finish(x, start_halo(x, plan, comm))
+    return _HaloExchange.apply(x, plan, comm)

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpctrain.parallel.domain.decomposition import WindowGeometry, rank_coords, split_bounds
-from hpctrain.parallel.domain.halo import DomainGrid, halo_finish, make_plan, start_halo
+from hpctrain.parallel.domain.halo import (DomainGrid, halo_exchange, halo_finish, make_plan,
+                                           start_halo)
 
 __all__ = ["DomainWindowOp", "DomainConv", "DomainPool", "DomainUpsample"]
 
@@ -96,7 +97,7 @@ class DomainWindowOp(nn.Module):
         if lay.identity:
             return self._compute(x, lay.win_lo, lay.out_lo, lay.out_hi)
         if not (self.overlap and lay.plan.communicates and lay.has_interior):
-            window = halo_finish(x, start_halo(x, lay.plan, comm))
+            window = halo_exchange(x, lay.plan, comm)
             return self._compute(window, lay.win_lo, lay.out_lo, lay.out_hi)
         pending = start_halo(x, lay.plan, comm)
         ix, in_lo = self._input_box(lay.inner_lo, lay.inner_hi, lay.in_lo)

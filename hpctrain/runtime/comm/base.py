@@ -177,6 +177,12 @@ class Communicator(ABC):
         self._check_boxes(tensor, boxes, source, "source", tag)
         return self._irecv_boxes(tensor.detach(), boxes, source, tag)
 
+    def boxes_exchange(self, recvs: Sequence, sends: Sequence):
+        """Prepare an exchange that is started many times (a halo exchange): ``recvs`` and
+        ``sends`` are ``(peer, tag, boxes)`` messages, checked here once; see
+        ``exchange.BoxesExchange.start``. A local call: nothing is sent until start()."""
+        return self._boxes_exchange(recvs, sends)
+
     # ---- management --------------------------------------------------------------------
 
     def split(self, color: int | None, key: int = 0) -> Communicator:
@@ -244,6 +250,11 @@ class Communicator(ABC):
         views = [tensor[box_index(b)] for b in boxes]
         buf = torch.empty(sum(v.numel() for v in views), dtype=tensor.dtype, device=tensor.device)
         return _Unpack(self._irecv(buf, source, tag), buf, views)
+
+    def _boxes_exchange(self, recvs, sends):
+        from hpctrain.runtime.comm.exchange import BoxesExchange
+
+        return BoxesExchange(self, recvs, sends)
 
     @abstractmethod
     def _split(self, color: int | None, key: int) -> Communicator:
@@ -411,7 +422,7 @@ def _not_member(name: str):
 # Public methods and backend hooks alike raise on a NullCommunicator.
 for _name in ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall", "barrier",
               "allreduce_scalars", "send", "recv", "isend", "irecv", "isend_boxes",
-              "irecv_boxes", "split"):
+              "irecv_boxes", "boxes_exchange", "split"):
     setattr(NullCommunicator, _name, _not_member(_name))
     setattr(NullCommunicator, "_" + _name, _not_member(_name))
 update_abstractmethods(NullCommunicator)

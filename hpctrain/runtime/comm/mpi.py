@@ -170,6 +170,11 @@ class MPICommunicator(Communicator):
         nbytes = tensor.untyped_storage().nbytes() - tensor.storage_offset() * tensor.element_size()
         return [MPI.buffer.fromaddress(tensor.data_ptr(), nbytes), 1, dtype]
 
+    def _boxes_exchange(self, recvs, sends):
+        from hpctrain.runtime.comm.mpi_exchange import MPIBoxesExchange
+
+        return MPIBoxesExchange(self, recvs, sends)
+
     def _split(self, color, key):
         sub = self.comm.Split(MPI.UNDEFINED if color is None else color, key)
         if sub == MPI.COMM_NULL:

@@ -37,20 +37,32 @@ _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
 class TorchDistRequest(Request):
-    """A pending torch.distributed work handle; it holds the tensor until wait()."""
+    """A pending torch.distributed work handle; it holds the tensor until wait().
 
-    def __init__(self, work, tensor: torch.Tensor):
+    Gloo's send/recv handles report is_completed() False until wait() has been called (it
+    is what finishes them), so polling them would never end: for those (``pollable=False``)
+    test() waits, which keeps every polling loop correct, only not idle.
+    """
+
+    def __init__(self, work, tensor: torch.Tensor, pollable: bool = True):
         self._work = work
         self._tensor = tensor
+        self._pollable = pollable
+        self._done = False
 
     def wait(self) -> None:
         """Block until the operation completes."""
-        self._work.wait()
+        if not self._done:  # a second wait on a finished gloo handle would block
+            self._work.wait()
+            self._done = True
         self._tensor = None
 
     def test(self) -> bool:
         """Return True if the operation has completed, without blocking."""
-        done = self._work.is_completed()
+        if not self._pollable:
+            self.wait()
+            return True
+        done = self._done or self._work.is_completed()
         if done:
             self._tensor = None
         return done
@@ -137,11 +149,11 @@ class TorchDistCommunicator(Communicator):
 
     def _isend(self, tensor, dest, tag):
         work = dist.isend(tensor, dst=self._ranks[dest], group=self.group, tag=tag)
-        return TorchDistRequest(work, tensor)
+        return TorchDistRequest(work, tensor, pollable=self.backend != "gloo")
 
     def _irecv(self, tensor, source, tag):
         work = dist.irecv(tensor, src=self._ranks[source], group=self.group, tag=tag)
-        return TorchDistRequest(work, tensor)
+        return TorchDistRequest(work, tensor, pollable=self.backend != "gloo")
 
     def _split(self, color, key):
         # new_group needs the same rank list on every member: share (color, key, global rank).
