@@ -2,7 +2,7 @@
 (losses over 20 steps within rtol 1e-5), optimizer state (zero1) and gradients (zero2) are 1/dp
 per rank, and checkpoints load across single / pipeline ddp / pipeline zero.
 
-Three launches in all (single, 4 ranks, single again), shared by the tests through one
+Four launches in all (single, 2 ranks, 4 ranks, single again), shared by the tests through one
 module fixture: MPI start-up dominates these small runs."""
 
 import json
@@ -30,6 +30,10 @@ EQUIV = [
     ("zero1", AWKWARD, "adamw", "1f1b", 1, 0.0),
     ("zero2", AWKWARD, "sgd", "gpipe", 2, 0.0),
 ]
+# At 2 ranks: one stage sharded over dp=2 (GPT's tied weight shared on one rank), and a
+# pp=2 pipeline whose shards span one rank (dp=1).
+TWO = [("zero2", "gpt", "adamw", "1f1b", 2, 0.0, "dp=2,pp=1"),
+       ("zero1", "mlp", "sgd", "interleaved-1f1b", 2, 0.5, "pp=2")]
 CKPT_TRAIN = {"model": "gpt", "model_options": {"layers": 4}, "optimizer": "adamw", "lr": 0.003,
               "steps": 10, "global_batch_size": 16, "weight_decay": 0.01}
 
@@ -74,7 +78,7 @@ def _run(n, tmp, tag, cases):
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ppzero")
     refs = {_key(m, o, a, c): {"name": _key(m, o, a, c), "train": _train(m, o, a, c)}
-            for _, m, o, _, a, c in EQUIV}
+            for _, m, o, _, a, c, *_ in EQUIV + TWO}
     single = _run(1, tmp, "single", list(refs.values()) + [_single("ck-single", tmp / "s")])
     mem_train = _train("gpt", "adamw", 1, 0.0, steps=2)
     cases = [_pp(f"{mode}-{m}-{o}-{s}-a{a}-c{c}", _train(m, o, a, c), mode, s)
@@ -92,11 +96,13 @@ def runs(tmp_path_factory):
         _pp("ck-zero2<-single", CKPT_TRAIN, "zero2", "gpipe", ck=tmp / "c",
             resume=str(tmp / "s" / "ckpt-000005.h5")),
     ]
+    two = _run(2, tmp, "two", [_pp(f"{mode}-{m}-{o}-{s}-a{a}-c{c}-{mesh}", _train(m, o, a, c),
+                                   mode, s, mesh=mesh) for mode, m, o, s, a, c, mesh in TWO])
     four = _run(4, tmp, "four", cases)
     back = _run(1, tmp, "back", [
         _single("ck-single<-zero2", tmp / "d", resume=str(tmp / "z2" / "ckpt-000005.h5")),
         _single("ck-single<-zero1", tmp / "e", resume=str(tmp / "z1" / "ckpt-000005.h5"))])
-    return {"single": single, "four": four, "back": back}
+    return {"single": single, "two": two, "four": four, "back": back}
 
 
 @pytest.mark.parametrize("mode,model,opt,sched,accum,clip", EQUIV,
@@ -109,6 +115,17 @@ def test_pipeline_zero_matches_single(runs, mode, model, opt, sched, accum, clip
     np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5, atol=0)
     np.testing.assert_allclose(got["param_norm"], ref["param_norm"], rtol=1e-5)
     np.testing.assert_allclose(got["buffer_norm"], ref["buffer_norm"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode,model,opt,sched,accum,clip,mesh", TWO,
+                         ids=[f"{e[0]}-{e[1]}-{e[6]}" for e in TWO])
+def test_pipeline_zero_matches_single_at_two_ranks(runs, mode, model, opt, sched, accum, clip,
+                                                   mesh):
+    ref = runs["single"][_key(model, opt, accum, clip)]
+    got = runs["two"][f"{mode}-{model}-{opt}-{sched}-a{accum}-c{clip}-{mesh}"]
+    assert len(got["losses"]) == STEPS
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5, atol=0)
+    np.testing.assert_allclose(got["param_norm"], ref["param_norm"], rtol=1e-5)
 
 
 def test_pipeline_zero_memory_is_one_over_dp(runs):
