@@ -83,7 +83,8 @@ def runs(tmp_path_factory):
     mem_train = _train("gpt", "adamw", 1, 0.0, steps=2)
     cases = [_pp(f"{mode}-{m}-{o}-{s}-a{a}-c{c}", _train(m, o, a, c), mode, s)
              for mode, m, o, s, a, c in EQUIV]
-    cases += [_pp(f"mem-{mode}", mem_train, mode, memory=True) for mode in ("ddp", "zero1", "zero2")]
+    cases += [_pp(f"mem-{mode}", mem_train, mode, memory=True)
+              for mode in ("ddp", "zero1", "zero2")]
     cases += [
         _pp("ck-zero1", CKPT_TRAIN, "zero1", "gpipe", ck=tmp / "z1"),
         _pp("ck-zero2", CKPT_TRAIN, "zero2", "interleaved-1f1b", ck=tmp / "z2"),

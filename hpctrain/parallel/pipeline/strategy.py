@@ -108,6 +108,7 @@ class Pipelined(Parallelized):
                                for p in self.model.parameters() if p.grad is not None)
 
     def step(self, scaler=None, max_grad_norm: float = 0.0) -> None:
+        """ddp: the base step over full gradients; zero1/zero2: the shards step (dp_shards)."""
         if self.shards is None:
             return super().step(scaler, max_grad_norm)
         return self.shards.step(scaler, max_grad_norm)
