@@ -21,6 +21,7 @@ __all__ = [
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "pipeline", "domain")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 PIPELINE_BALANCE = ("param-count", "measured")
+PIPELINE_DP_SHARDING = ("ddp", "zero1", "zero2")  # parallel/pipeline/dp_shards.py: the same
 # fsdp choices (kept here so validation needs no torch import; parallel/fsdp.py checks the same).
 FSDP_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 FSDP_WRAP = ("blocks", "class", "size", "none")
@@ -98,6 +99,9 @@ class PipelineSection:
                       choices=PIPELINE_BALANCE)
     split_points: str = _f("", "explicit stage starts: comma-separated layer indices or names "
                                "(e.g. '3,6' or 'blocks.2'); empty: balanced split")
+    dp_sharding: str = _f("ddp", "each stage's gradients over dp: all-reduced (ddp), or "
+                          "optimizer state (zero1) and gradients too (zero2) sharded",
+                          choices=PIPELINE_DP_SHARDING)
 
 
 @dataclass

@@ -43,7 +43,8 @@ def strategy_options(cfg: Config):
         return PipelineOptions(mesh=cfg.runtime.mesh, schedule=pl.schedule,
                                microbatches=pl.microbatches, virtual_stages=pl.virtual_stages,
                                balance=pl.balance, split_points=pl.split_points,
-                               activation_checkpointing=cfg.train.activation_checkpointing)
+                               activation_checkpointing=cfg.train.activation_checkpointing,
+                               dp_sharding=pl.dp_sharding)
     if s == "domain":
         from hpctrain.parallel.domain.strategy import DomainOptions
 

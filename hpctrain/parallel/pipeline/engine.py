@@ -32,6 +32,7 @@ class Engine:
         self.recompute = activation_checkpointing
         self.trace: list | None = None
         self.peak_live = 0
+        self.after_backward = None  # called with the action's index after each backward
 
     def _forward_chunk(self, c: int, x):
         for layer in self.chunks[c]:
@@ -46,7 +47,7 @@ class Engine:
         (nonzero on the rank of the last stage only)."""
         live: dict = {}   # (mb, chunk) -> (input, output or scaled loss)
         loss_sum = 0.0
-        for a in actions:
+        for i, a in enumerate(actions):
             g = stage_of(self.rank, a.chunk, self.p)
             if a.op == "F":
                 x, y, w = micro[a.mb]
@@ -74,6 +75,8 @@ class Engine:
                 if g > 0 and inp.is_floating_point():
                     self.links.send_grad(g - 1, inp.grad if inp.grad is not None
                                          else torch.zeros_like(inp))
+                if self.after_backward is not None:  # e.g. zero2 reduces finished grads
+                    self.after_backward(i)
             if self.trace is not None:
                 self.trace.append((a.op, a.mb, a.chunk, t0, time.perf_counter()))
         if live:

@@ -12,6 +12,7 @@ from torch import nn
 
 from hpctrain.parallel.base import OptimizerFactory, Parallelized
 from hpctrain.parallel.pipeline import plan, schedule as sched
+from hpctrain.parallel.pipeline.dp_shards import DP_SHARDINGS, DPShards
 from hpctrain.parallel.pipeline.engine import Engine
 from hpctrain.parallel.pipeline.p2p import StageLinks
 
@@ -29,6 +30,7 @@ class PipelineOptions:
     balance: str = "param-count"    # or "measured"
     split_points: str = ""
     activation_checkpointing: bool = False
+    dp_sharding: str = "ddp"        # gradients over dp: ddp all-reduce, or zero1/zero2 shards
     sample: object = None           # one micro-batch input, for balance="measured"
 
     @property
@@ -53,8 +55,11 @@ class Pipelined(Parallelized):
     name = "pipeline"
 
     def __init__(self, stack, root: nn.Module, owned: list[int], engine: Engine, actions,
-                 optimizer, pp, dp, tied_comm, tied_local: list, opts: PipelineOptions):
+                 optimizer, pp, dp, tied_comm, tied_local: list, opts: PipelineOptions,
+                 shards=None):
         super().__init__(root, optimizer)
+        self.shards = shards            # DPShards (zero1/zero2 over dp) or None (ddp)
+        self._grad_bytes = 0
         self.stack, self.owned, self.engine, self.actions = stack, owned, engine, actions
         self.pp, self.dp, self.tied_comm, self.tied_local = pp, dp, tied_comm, tied_local
         self.opts = opts
@@ -68,7 +73,7 @@ class Pipelined(Parallelized):
     def forward_backward(self, micro_batches, loss_fn, precision) -> float:
         """Cut each micro-batch into pipeline.microbatches pieces and run the schedule."""
         m, local = self.opts.microbatches, 0.0
-        for x, y, weight in micro_batches:
+        for (x, y, weight), last in _with_last(micro_batches):
             n = x.shape[0]
             if n % m:
                 raise ValueError(f"pipeline: a micro-batch of {n} samples does not split into "
@@ -76,6 +81,8 @@ class Pipelined(Parallelized):
                                  f"global_batch_size divisible by dp x grad_accum x {m}")
             xs, ys = x.split(n // m), y.split(n // m)
             micro = [(a, b, weight / m) for a, b in zip(xs, ys)]
+            if self.shards is not None:  # zero2 reduces during the step's last run only
+                self.shards.begin_run(final=last)
             local += self.engine.run(self.actions, micro, loss_fn, precision)
         return local if self.is_last else 0.0
 
@@ -97,6 +104,28 @@ class Pipelined(Parallelized):
             for p in params:
                 p.grad.copy_(flat[off:off + p.numel()].view_as(p))
                 off += p.numel()
+        self._grad_bytes = sum(p.grad.numel() * p.grad.element_size()
+                               for p in self.model.parameters() if p.grad is not None)
+
+    def step(self, scaler=None, max_grad_norm: float = 0.0) -> None:
+        """ddp: the base step over full gradients; zero1/zero2: the shards step (dp_shards)."""
+        if self.shards is None:
+            return super().step(scaler, max_grad_norm)
+        return self.shards.step(scaler, max_grad_norm)
+
+    def memory_report(self) -> dict:
+        """Bytes this rank holds for params, gradients (alive at the last step) and optimizer
+        state; with dp_sharding zero1/zero2 the optimizer (and zero2 grads) are 1/dp."""
+        if self.shards is not None:
+            rep = self.shards.memory_report()
+        else:
+            from hpctrain.parallel.sharding.engine import nbytes
+
+            rep = {"dp_sharding": "ddp", "dp": self.dp.size,
+                   "params": nbytes(list(self.model.parameters())), "grads": self._grad_bytes,
+                   "optimizer": nbytes([v for st in self.optimizer.state.values()
+                                        for v in st.values() if torch.is_tensor(v)])}
+        return {"strategy": self.name, "pp": self.pp.size, **rep}
 
     def _canonical(self):
         """Local parameters that are not a tied copy of a parameter owned elsewhere."""
@@ -106,6 +135,8 @@ class Pipelined(Parallelized):
         return self.pp.allreduce_scalars([value])[0] if self.pp.size > 1 else value
 
     def _grad_norm(self) -> float:
+        if self.shards is not None:
+            return self.shards.grad_norm()
         sq = sum(float(p.grad.detach().double().pow(2).sum()) for _, p in self._canonical()
                  if p.grad is not None)
         return math.sqrt(self._pp_sum(sq))
@@ -141,11 +172,13 @@ class Pipelined(Parallelized):
 
     def _optim_descr(self) -> list:
         """(param name, key, shape, dtype) of every optimizer tensor of the WHOLE model."""
-        mine = []
-        for name, p in self._canonical():
-            for k, v in sorted(self.optimizer.state.get(p, {}).items()):
-                if torch.is_tensor(v):
-                    mine.append([name, k, list(v.shape), str(v.dtype).replace("torch.", "")])
+        if self.shards is not None:  # state of flat shards, named by the params behind them
+            mine = self.shards.local_optim_descr({n for n, _ in self._canonical()})
+        else:
+            mine = [[name, k, list(v.shape), str(v.dtype).replace("torch.", "")]
+                    for name, p in self._canonical()
+                    for k, v in sorted(self.optimizer.state.get(p, {}).items())
+                    if torch.is_tensor(v)]
         seen, merged = set(), {}
         for per_rank in _allgather_json(self.pp, mine):
             for name, k, shape, dtype in per_rank:
@@ -165,6 +198,9 @@ class Pipelined(Parallelized):
             entries.append(self._entry(f"model/{key}", tuple(t.shape), t.dtype, local.get(key)))
         params = dict(self._canonical())
         for name, k, shape, dtype in self._optim_descr():
+            if self.shards is not None:
+                entries.append(self.shards.optim_entry(name, k, shape, dtype, set(params)))
+                continue
             p = params.get(name)
             v = self.optimizer.state.get(p, {}).get(k) if p is not None else None
             entries.append(self._entry(f"optim/{name}/{k}", shape, dtype, v))
@@ -186,8 +222,26 @@ class Pipelined(Parallelized):
                 a = reader.read(f"model/{tied.get(key, key)}", tuple(t.shape))
                 if a is not None:
                     t.copy_(from_numpy(a, t.dtype).reshape(t.shape))
+        if self.shards is not None:
+            if self._optim_class_matches(reader):
+                self.shards.load_optimizer(reader, tied)
+                self._load_param_groups(reader)
+            return
         self._load_optimizer_state(
             reader, ((tied.get(name, name), p) for name, p in self.model.named_parameters()))
+
+
+def _with_last(items):
+    """(item, is it the last one) over an iterable, looking one item ahead."""
+    it = iter(items)
+    try:
+        cur = next(it)
+    except StopIteration:
+        return
+    for nxt in it:
+        yield cur, False
+        cur = nxt
+    yield cur, True
 
 
 def _allgather_json(comm, obj) -> list:
@@ -237,6 +291,9 @@ def _layer_costs(stack, opts: PipelineOptions, pp, dp):
 def wrap(stack, make_optimizer: OptimizerFactory, world, options: PipelineOptions | None = None):
     """Build this rank's stage(s) of ``stack`` (a LayerStack) and the schedule (collective)."""
     opts = options or PipelineOptions()
+    if opts.dp_sharding not in DP_SHARDINGS:  # pure: before any collective
+        raise ValueError(f"pipeline.dp_sharding = {opts.dp_sharding!r}: expected one of "
+                         f"{', '.join(DP_SHARDINGS)}")
     layout = resolve_layout(opts.mesh, world.size)
     p, v = layout.pp, opts.chunks
     plan.check_fits(len(stack), p, v, opts.schedule)       # pure: before any collective
@@ -271,10 +328,17 @@ def wrap(stack, make_optimizer: OptimizerFactory, world, options: PipelineOption
         tied_comm = sub if tied_local else None
     links = StageLinks(pp, p * v, world.device)
     engine = Engine(root, chunks, links, pp.rank, p, opts.activation_checkpointing)
-    par = Pipelined(stack, root, owned, engine, actions_all[pp.rank],
-                    make_optimizer(root.parameters()), pp, dp, tied_comm, tied_local, opts)
+    shards = None
+    if opts.dp_sharding != "ddp":
+        shards = DPShards(root, chunks, actions_all[pp.rank], stack.tied, dp, pp, tied_comm,
+                          tied_local, opts.dp_sharding, make_optimizer)
+        engine.after_backward = shards.after_backward
+    optimizer = shards.optimizer if shards is not None else make_optimizer(root.parameters())
+    par = Pipelined(stack, root, owned, engine, actions_all[pp.rank], optimizer, pp, dp,
+                    tied_comm, tied_local, opts, shards)
     if world.is_main:
         split = " | ".join(f"{g}:{names[grp[0]]}..{names[grp[-1]]}" for g, grp in enumerate(groups))
         print(f"hpctrain: pipeline pp={p} dp={dp.size} schedule={opts.schedule} "
-              f"microbatches={opts.microbatches} chunks/rank={v} stages {split}", flush=True)
+              f"microbatches={opts.microbatches} chunks/rank={v} dp_sharding={opts.dp_sharding} "
+              f"stages {split}", flush=True)
     return par
