@@ -1,4 +1,4 @@
-"""pipeline.dp_sharding = zero1 / zero2 at --mesh dp=2,pp=2: training reproduces single-process
+"""pipeline.dp_sharding = zero1 / zero2 (and ddp with awkward params) at --mesh dp=2,pp=2: training reproduces single-process
 (losses over 20 steps within rtol 1e-5), optimizer state (zero1) and gradients (zero2) are 1/dp
 per rank, and checkpoints load across single / pipeline ddp / pipeline zero.
 
@@ -29,6 +29,9 @@ EQUIV = [
     ("zero2", "gpt", "adamw", "1f1b", 2, 0.0),
     ("zero1", AWKWARD, "adamw", "1f1b", 1, 0.0),
     ("zero2", AWKWARD, "sgd", "gpipe", 2, 0.0),
+    # plain ddp over dp: frozen and never-used params must keep no gradient (weight decay
+    # and momentum would move them)
+    ("ddp", AWKWARD, "adamw", "interleaved-1f1b", 1, 0.0),
 ]
 # At 2 ranks: one stage sharded over dp=2 (GPT's tied weight shared on one rank), and a
 # pp=2 pipeline whose shards span one rank (dp=1).

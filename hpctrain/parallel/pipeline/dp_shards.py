@@ -27,7 +27,7 @@ import torch
 
 from hpctrain.parallel.flat_buffer import FlatUnit
 from hpctrain.parallel.sharded_optim import preserve_elements
-from hpctrain.parallel.sharding.engine import _MIN_RANK_PIECE_BYTES, _PIECE_BYTES, nbytes
+from hpctrain.parallel.sharding.engine import nbytes, reduce_scatter_grads
 
 __all__ = ["DP_SHARDINGS", "DPShards"]
 
@@ -136,28 +136,9 @@ class DPShards:
     def _reduce(self, st: _Unit) -> None:
         """Reduce-scatter the unit's gradients (SUM over dp) into its shard gradient, piece by
         piece straight from the params' grads (no unit-sized packed copy), then free them."""
-        u, comm = st.unit, self.dp
-        n, size = comm.size, u.shard_numel
-        dtype, device = u.full.dtype, u.full.device
-        grads = [None if s.param.grad is None else s.param.grad.reshape(-1) for s in u.slots]
-        part = torch.empty(size, dtype=dtype, device=device)
-        if n == 1:
-            u.grad_range(0, size, part, grads)
-        else:
-            esize = part.element_size()
-            step = min(size, max(1, _PIECE_BYTES // (n * esize), _MIN_RANK_PIECE_BYTES // esize))
-            buf = torch.empty(n * step, dtype=dtype, device=device)
-            self._peak_transient = max(self._peak_transient, buf.numel() * esize)
-            for a in range(0, size, step):
-                b = min(a + step, size)
-                piece = buf[:n * (b - a)].view(n, b - a)
-                for r in range(n):
-                    u.grad_range(r * size + a, r * size + b, piece[r], grads)
-                comm.reduce_scatter(piece.view(-1), out=part[a:b], op="sum")
-            del buf
-        del grads
-        for s in u.slots:
-            s.param.grad = None
+        u = st.unit
+        part, transient = reduce_scatter_grads(u, self.dp)
+        self._peak_transient = max(self._peak_transient, transient)
         if u.shard.grad is None:
             u.shard.grad = part
         else:

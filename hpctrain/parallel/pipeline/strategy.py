@@ -94,16 +94,25 @@ class Pipelined(Parallelized):
                     p.grad = torch.zeros_like(p)
                 self.tied_comm.allreduce(p.grad)
         if self.dp.size > 1:
-            params = list(self.model.parameters())
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            had = [p.grad is not None for p in params]
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            self.dp.allreduce(flat)  # weights already hold each replica's batch share: sum
+            # One all-reduce: the gradients, then a had-a-gradient flag per parameter.
+            flat = torch.cat([p.grad.reshape(-1) for p in params] +
+                             [torch.tensor(had, dtype=params[0].grad.dtype)]) if params else None
+            if flat is not None:
+                self.dp.allreduce(flat)  # weights already hold each replica's share: sum
             off = 0
             for p in params:
                 p.grad.copy_(flat[off:off + p.numel()].view_as(p))
                 off += p.numel()
+            # No gradient on any replica (an unused parameter): none, as in one process, so
+            # weight decay and momentum leave it alone.
+            for p, flag in zip(params, flat[off:].tolist() if params else []):
+                if flag == 0:
+                    p.grad = None
         self._grad_bytes = sum(p.grad.numel() * p.grad.element_size()
                                for p in self.model.parameters() if p.grad is not None)
 

@@ -32,7 +32,7 @@ from hpctrain.parallel.flat_buffer import FlatUnit
 from hpctrain.parallel.sharded_optim import preserve_elements
 from hpctrain.runtime.malloc import release_free_heap
 
-__all__ = ["ShardPlan", "ShardedModel", "broadcast_state", "nbytes"]
+__all__ = ["ShardPlan", "ShardedModel", "broadcast_state", "nbytes", "reduce_scatter_grads"]
 
 # Gradient bytes packed for one reduce-scatter (all ranks' pieces together): bounds the
 # transient next to a unit's gradients; bigger pieces only save a few collective calls...
@@ -126,34 +126,11 @@ class ShardedModel(Parallelized):
 
     def _reduce(self, st: _UnitState) -> None:
         """Reduce-scatter the unit's gradients (SUM) into its shard gradient (collective over
-        the shard group, then an all-reduce over the replicas) and free the full ones.
-
-        The gradients are never packed into one unit-sized buffer: piece by piece, each
-        rank's next elements are copied into a buffer of at most _PIECE_BYTES and that is
-        reduce-scattered into the shard gradient, so the transient is bounded by the piece,
-        not by the unit (a unit-sized buffer next to the unit's gradients was 2 units)."""
+        the shard group, piece by piece: reduce_scatter_grads, then an all-reduce over the
+        replicas) and free the full ones."""
         u = st.unit
-        n, size = self.comm.size, u.shard_numel
-        dtype, device = self.plan.reduce_dtype or u.full.dtype, u.full.device
-        grads = [None if s.param.grad is None else s.param.grad.reshape(-1) for s in u.slots]
-        part = torch.empty(size, dtype=dtype, device=device)
-        if n == 1:  # one rank per shard group: the shard is the whole buffer
-            u.grad_range(0, size, part, grads)
-        else:
-            esize = part.element_size()
-            step = min(size, max(1, _PIECE_BYTES // (n * esize), _MIN_RANK_PIECE_BYTES // esize))
-            buf = torch.empty(n * step, dtype=dtype, device=device)
-            self._peak_transient = max(self._peak_transient, buf.numel() * buf.element_size())
-            for a in range(0, size, step):
-                b = min(a + step, size)
-                piece = buf[:n * (b - a)].view(n, b - a)
-                for r in range(n):
-                    u.grad_range(r * size + a, r * size + b, piece[r], grads)
-                self.comm.reduce_scatter(piece.view(-1), out=part[a:b], op="sum")
-            del buf
-        del grads
-        for s in u.slots:
-            s.param.grad = None
+        part, transient = reduce_scatter_grads(u, self.comm, self.plan.reduce_dtype)
+        self._peak_transient = max(self._peak_transient, transient)
         if self.replicate is not None:
             self.replicate.allreduce(part, op="sum")
         if part.dtype != u.shard.dtype or part.device != u.shard.device:
@@ -404,6 +381,39 @@ class ShardedModel(Parallelized):
                 "peak_gathered": self.schedule.peak_gathered if self.schedule else 0,
                 "transient_grad_bucket": self._peak_transient,
                 "frozen_params": nbytes([p for _, p in self.frozen])}
+
+
+def reduce_scatter_grads(u: FlatUnit, comm, dtype: torch.dtype | None = None):
+    """Reduce-scatter (SUM over ``comm``) the gradients of a unit's params into a new shard
+    gradient, and free the params' .grad; returns (shard gradient, transient buffer bytes).
+
+    The gradients are never packed into one unit-sized buffer: piece by piece, each rank's
+    next elements are copied into a buffer of at most _PIECE_BYTES and that is
+    reduce-scattered into the shard gradient, so the transient is bounded by the piece, not
+    by the unit (a unit-sized buffer next to the unit's gradients was 2 units)."""
+    n, size = comm.size, u.shard_numel
+    dtype, device = dtype or u.full.dtype, u.full.device
+    grads = [None if s.param.grad is None else s.param.grad.reshape(-1) for s in u.slots]
+    part = torch.empty(size, dtype=dtype, device=device)
+    transient = 0
+    if n == 1:  # one rank per shard group: the shard is the whole buffer
+        u.grad_range(0, size, part, grads)
+    else:
+        esize = part.element_size()
+        step = min(size, max(1, _PIECE_BYTES // (n * esize), _MIN_RANK_PIECE_BYTES // esize))
+        buf = torch.empty(n * step, dtype=dtype, device=device)
+        transient = buf.numel() * esize
+        for a in range(0, size, step):
+            b = min(a + step, size)
+            piece = buf[:n * (b - a)].view(n, b - a)
+            for r in range(n):
+                u.grad_range(r * size + a, r * size + b, piece[r], grads)
+            comm.reduce_scatter(piece.view(-1), out=part[a:b], op="sum")
+        del buf
+    del grads
+    for s in u.slots:
+        s.param.grad = None
+    return part, transient
 
 
 def nbytes(tensors) -> int:
