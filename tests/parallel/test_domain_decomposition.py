@@ -6,7 +6,7 @@ import pytest
 
 from hpctrain.parallel.domain.decomposition import (WindowGeometry, conv_out_size, coords_rank,
                                                     dim_segments, grid_shape_for, rank_coords,
-                                                    split_bounds, window_pieces)
+                                                    split_bounds, window_pieces, wrap_mirrors)
 
 
 @pytest.mark.parametrize("n, p", [(10, 3), (7, 7), (37, 4), (5, 2), (16, 4)])
@@ -80,6 +80,24 @@ def test_window_pieces_include_corners():
     assert corner[0].src == (slice(0, 1), slice(0, 1)) and corner[0].dst == (slice(4, 5), slice(4, 5))
     covered = sum((p.dst[0].stop - p.dst[0].start) * (p.dst[1].stop - p.dst[1].start) for p in pieces)
     assert covered == 25
+
+
+def test_wrap_mirrors_copy_the_window_core_of_dims_one_rank_spans():
+    bounds = [split_bounds(8, 2), split_bounds(10, 1)]
+    # A 1-wide periodic halo on a 2x1 rank grid: dim 1 (one rank) wraps onto the window itself.
+    flags, mirrors = wrap_mirrors((-1, -1), (5, 11), bounds, (2, 1), (True, True))
+    assert flags == (False, True)
+    assert mirrors == [(1, (0, 1), (10, 11)), (1, (11, 12), (1, 2))]
+    # Only the core runs of the mirrored dim are pieces; the corners come from the mirrors.
+    pieces = window_pieces((-1, -1), (5, 11), bounds, (2, 1), (True, True), flags)
+    assert {(p.dst[1].start, p.dst[1].stop) for p in pieces} == {(1, 11)}
+    assert sorted({p.owner for p in pieces}) == [0, 1]
+    # Not periodic, or more than one rank along the dim, or wrapped points the window does
+    # not hold (a 2-wide halo of a 3-point window): no mirrors.
+    assert wrap_mirrors((-1, -1), (5, 11), bounds, (2, 1), (False, False)) == ((False, False), [])
+    assert wrap_mirrors((-2,), (1,), [split_bounds(10, 1)], (1,), (True,)) == ((False,), [])
+    assert wrap_mirrors((-1,), (9,), [split_bounds(8, 1)], (1,), (True,)) == (
+        (True,), [(0, (0, 1), (8, 9)), (0, (9, 10), (1, 2))])
 
 
 def test_window_buffer_is_reused_only_when_free():

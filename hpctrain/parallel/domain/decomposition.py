@@ -17,7 +17,7 @@ import itertools
 from dataclasses import dataclass
 
 __all__ = ["split_bounds", "rank_coords", "coords_rank", "grid_shape_for", "conv_out_size",
-           "Segment", "dim_segments", "Piece", "window_pieces", "WindowGeometry"]
+           "Segment", "dim_segments", "Piece", "window_pieces", "wrap_mirrors", "WindowGeometry"]
 
 
 def split_bounds(n: int, parts: int) -> list[tuple[int, int]]:
@@ -107,9 +107,19 @@ class Piece:
 
 
 def window_pieces(lo: tuple[int, ...], hi: tuple[int, ...], bounds: list[list[tuple[int, int]]],
-                  grid: tuple[int, ...], periodic: tuple[bool, ...]) -> list[Piece]:
-    """Pieces of the global box [lo, hi): products of the per-dim runs (corners included)."""
-    per_dim = [dim_segments(a, b, bd, p) for a, b, bd, p in zip(lo, hi, bounds, periodic)]
+                  grid: tuple[int, ...], periodic: tuple[bool, ...],
+                  mirrored: tuple[bool, ...] | None = None) -> list[Piece]:
+    """Pieces of the global box [lo, hi): products of the per-dim runs (corners included).
+
+    Along a ``mirrored`` dim (see ``wrap_mirrors``) only the runs inside the grid are cut:
+    its wrapped runs are copies of the window itself, made after the pieces have arrived.
+    """
+    per_dim = []
+    for d, (a, b, bd, p) in enumerate(zip(lo, hi, bounds, periodic)):
+        runs = dim_segments(a, b, bd, p)
+        if mirrored is not None and mirrored[d]:
+            runs = [s for s in runs if 0 <= a + s.dst < bd[-1][1]]
+        per_dim.append(runs)
     pieces = []
     for combo in itertools.product(*per_dim):
         dst = tuple(slice(s.dst, s.dst + s.length) for s in combo)
@@ -119,6 +129,33 @@ def window_pieces(lo: tuple[int, ...], hi: tuple[int, ...], bounds: list[list[tu
         src = tuple(slice(s.src, s.src + s.length) for s in combo)
         pieces.append(Piece(coords_rank(tuple(s.owner for s in combo), grid), src, dst))
     return pieces
+
+
+def wrap_mirrors(lo: tuple[int, ...], hi: tuple[int, ...], bounds: list[list[tuple[int, int]]],
+                 grid: tuple[int, ...], periodic: tuple[bool, ...]):
+    """Periodic dims that one rank spans, whose wrapped window runs copy the window's own core.
+
+    Returns (mirrored flag per dim, [(dim, dst run, src run)] as window-local (start, stop)).
+    Along such a dim the neighbour's rows arrive once, over the core only, and the wrapped
+    columns (corners included) are copied locally afterwards, as stencil codes do: fewer,
+    longer blocks per message than sending each corner as its own piece.
+    """
+    flags, mirrors = [], []
+    for d, (a, b, bd, p, g) in enumerate(zip(lo, hi, bounds, periodic, grid)):
+        n = bd[-1][1]
+        runs, ok = [], p and g == 1 and (a < 0 or b > n)
+        c0, c1 = max(a, 0), min(b, n)  # the window's core: global points it holds unwrapped
+        for s in dim_segments(a, b, bd, p) if ok else ():
+            if 0 <= a + s.dst < n:
+                continue
+            if not (c0 <= s.src and s.src + s.length <= c1):
+                ok = False  # the wrapped points are not in the window: send them
+                break
+            runs.append((d, (s.dst, s.dst + s.length), (s.src - a, s.src - a + s.length)))
+        flags.append(bool(ok))
+        if ok:
+            mirrors += runs
+    return tuple(flags), mirrors
 
 
 @dataclass(frozen=True)

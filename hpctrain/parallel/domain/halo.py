@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hpctrain.parallel.domain.decomposition import (coords_rank, rank_coords, split_bounds,
-                                                    window_pieces)
+                                                    window_pieces, wrap_mirrors)
 from hpctrain.runtime.comm import Communicator
 from hpctrain.runtime.comm.base import box_index
 
@@ -103,6 +103,10 @@ class HaloPlan:
     ``recv``/``send`` list boxes (peer, tag, slices); on the wire every peer gets ONE
     message per exchange holding all its boxes in tag order (corners and edges included),
     described in place by the communicator (MPI derived datatypes: no packing copies).
+    ``mirrors`` are window-to-window copies made once the messages are in: the wrapped
+    runs of periodic dims that one rank spans (decomposition.wrap_mirrors). The backward
+    runs the adjoint of ``unmirrored``, the same window cut into pieces only (the same
+    linear map), so it never writes into its incoming gradient.
     """
 
     window_shape: tuple[int, ...]
@@ -111,6 +115,8 @@ class HaloPlan:
     recv: list = field(default_factory=list)    # (peer, tag, dst slices)
     send: list = field(default_factory=list)    # (peer, tag, src slices)
     fill: float = 0.0
+    mirrors: list = field(default_factory=list)  # (dst index, src index) of the window
+    unmirrored: HaloPlan | None = None
     _windows: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     _messages: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -185,10 +191,26 @@ def make_plan(grid: DomainGrid, global_shape: tuple[int, ...], boxes: list, peri
               fill: float = 0.0) -> HaloPlan:
     """Plan the exchange that gives every rank q the global box ``boxes[q] = (lo, hi)``."""
     bounds = grid.bounds(global_shape)
+    full = _pieces_plan(grid, bounds, boxes, periodic, fill, [None] * len(boxes))
+    flags = [wrap_mirrors(lo, hi, bounds, grid.shape, periodic) for lo, hi in boxes]
+    if not any(m for _, m in flags):
+        return full
+    plan = _pieces_plan(grid, bounds, boxes, periodic, fill, [f for f, _ in flags])
+    nd = len(plan.window_shape)
+    for d, (a, b), (c, e) in flags[grid.comm.rank][1]:
+        pad = (slice(None),) * d, (slice(None),) * (nd - 1 - d)
+        plan.mirrors.append(((Ellipsis, *pad[0], slice(a, b), *pad[1]),
+                             (Ellipsis, *pad[0], slice(c, e), *pad[1])))
+    plan.unmirrored = full
+    return plan
+
+
+def _pieces_plan(grid, bounds, boxes, periodic, fill, mirrored) -> HaloPlan:
+    """The plan of ``boxes`` cut into pieces (``mirrored[q]``: rank q's mirrored dims)."""
     me = grid.comm.rank
     lo, hi = boxes[me]
     plan = HaloPlan(tuple(b - a for a, b in zip(lo, hi)), fill=fill)
-    for tag, p in enumerate(window_pieces(lo, hi, bounds, grid.shape, periodic)):
+    for tag, p in enumerate(window_pieces(lo, hi, bounds, grid.shape, periodic, mirrored[me])):
         if p.owner is None:
             plan.fills.append(p.dst)
         elif p.owner == me:
@@ -198,7 +220,8 @@ def make_plan(grid: DomainGrid, global_shape: tuple[int, ...], boxes: list, peri
     for q, (qlo, qhi) in enumerate(boxes):
         if q == me:
             continue
-        for tag, p in enumerate(window_pieces(qlo, qhi, bounds, grid.shape, periodic)):
+        for tag, p in enumerate(window_pieces(qlo, qhi, bounds, grid.shape, periodic,
+                                              mirrored[q])):
             if p.owner == me:
                 plan.send.append((q, tag, p.src))
     return plan
@@ -228,13 +251,15 @@ class PendingHalo:
         if self._req is not None:
             self._req.wait()
             self._req = None
+        for dst, src in self.plan.mirrors:
+            self.window[dst] = self.window[src]
         return self.window
 
 
 def _adjoint(ctx, g):
     """x_grad = H* window_grad: every received box's gradient goes back to its owner, which
     adds it into its tile gradient (with the local copies' gradients)."""
-    plan, comm = ctx.plan, ctx.comm
+    plan, comm = ctx.plan.unmirrored or ctx.plan, ctx.comm
     nd = len(plan.window_shape)
     lead = ctx.shape[:len(ctx.shape) - nd]
     recvs = []
@@ -289,6 +314,8 @@ class _HaloExchange(torch.autograd.Function):
             window[_ix(dst)] = x[_ix(src)]
         if req is not None:
             req.wait()
+        for dst, src in plan.mirrors:  # wrapped runs (corners too), from the window itself
+            window[dst] = window[src]
         return window
 
     @staticmethod

@@ -47,6 +47,7 @@ class _Layout:
         tile = tuple(b - a for a, b in zip(self.in_lo, self.in_hi))
         # The window IS the tile (1x1 convs, even pools, upsampling): no exchange, no copy.
         self.identity = (not self.plan.communicates and not self.plan.fills
+                         and not self.plan.mirrors
                          and self.plan.window_shape == tile
                          and self.plan.tile_slices(tile) is not None and len(self.plan.local) == 1)
         inner = [g.interior(o0, o1, i0, i1) for g, o0, o1, i0, i1
