@@ -27,7 +27,7 @@ import torch
 
 from hpctrain.parallel.flat_buffer import FlatUnit
 from hpctrain.parallel.sharded_optim import preserve_elements
-from hpctrain.parallel.sharding.engine import nbytes, reduce_scatter_grads
+from hpctrain.parallel.sharding.engine import nbytes, read_shard_state, reduce_scatter_grads
 
 __all__ = ["DP_SHARDINGS", "DPShards"]
 
@@ -263,29 +263,10 @@ class DPShards:
     def load_optimizer(self, reader, tied: dict) -> None:
         """This rank's shards of the optimizer state, from a checkpoint of any strategy; a tied
         copy reads its owner's state."""
-        from hpctrain.checkpoint.layout import from_numpy
-
         for st in self.units:
-            u, state = st.unit, {}
-            for s in u.slots:
-                name = tied.get(s.name, s.name)
-                (a, b), _ = u.shard_view(s)
-                start = s.offset + a - u.lo
-                for k in reader.keys(f"optim/{name}"):
-                    ds = f"optim/{name}/{k}"
-                    dtype = getattr(torch, reader.dataset(ds).attrs["torch_dtype"])
-                    if tuple(reader.dataset(ds).shape) != tuple(s.shape):
-                        arr = reader.read(ds)  # a scalar (Adam's step), kept on the CPU
-                        if arr is not None:
-                            state[k] = from_numpy(np.asarray(arr), dtype).clone()
-                        continue
-                    arr = reader.read(ds, s.shape, elems=(a, b))
-                    buf = state.setdefault(k, torch.zeros(u.shard.shape, dtype=dtype,
-                                                          device=u.shard.device))
-                    if arr is not None and b > a:
-                        buf[start:start + (b - a)].copy_(from_numpy(arr, dtype))
+            state = read_shard_state(reader, st.unit, lambda name: tied.get(name, name))
             if state:
-                self.optimizer.state[u.shard] = state
+                self.optimizer.state[st.unit.shard] = state
 
     # ---- memory ----------------------------------------------------------------------------
 

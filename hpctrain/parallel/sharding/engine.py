@@ -32,7 +32,8 @@ from hpctrain.parallel.flat_buffer import FlatUnit
 from hpctrain.parallel.sharded_optim import preserve_elements
 from hpctrain.runtime.malloc import release_free_heap
 
-__all__ = ["ShardPlan", "ShardedModel", "broadcast_state", "nbytes", "reduce_scatter_grads"]
+__all__ = ["ShardPlan", "ShardedModel", "broadcast_state", "nbytes", "read_shard_state",
+           "reduce_scatter_grads"]
 
 # Gradient bytes packed for one reduce-scatter (all ranks' pieces together): bounds the
 # transient next to a unit's gradients; bigger pieces only save a few collective calls...
@@ -330,23 +331,7 @@ class ShardedModel(Parallelized):
         if not self._optim_class_matches(reader):
             return
         for u in self.units:
-            state = {}
-            for s in u.slots:
-                (a, b), _ = u.shard_view(s)
-                start = s.offset + a - u.lo
-                for k in reader.keys(f"optim/{s.name}"):
-                    name = f"optim/{s.name}/{k}"
-                    dtype = getattr(torch, reader.dataset(name).attrs["torch_dtype"])
-                    if tuple(reader.dataset(name).shape) != tuple(s.shape):
-                        arr = reader.read(name)  # a scalar (Adam's step), kept on the CPU
-                        if arr is not None:
-                            state[k] = from_numpy(np.asarray(arr), dtype).clone()
-                        continue
-                    arr = reader.read(name, s.shape, elems=(a, b))
-                    buf = state.setdefault(k, torch.zeros(u.shard.shape, dtype=dtype,
-                                                          device=u.shard.device))
-                    if arr is not None and b > a:
-                        buf[start:start + (b - a)].copy_(from_numpy(arr, dtype))
+            state = read_shard_state(reader, u)
             if state:
                 self.optimizer.state[u.shard] = state
         self._load_param_groups(reader)
@@ -414,6 +399,33 @@ def reduce_scatter_grads(u: FlatUnit, comm, dtype: torch.dtype | None = None):
     for s in u.slots:
         s.param.grad = None
     return part, transient
+
+
+def read_shard_state(reader, u: FlatUnit, name_of=None) -> dict:
+    """Optimizer state of unit ``u``'s shard from a checkpoint of global tensors
+    (optim/<param>/<key>; ``name_of`` maps a slot's name to the one written): this rank's
+    owned elements of each parameter-shaped tensor, per-unit scalars (Adam's step) whole."""
+    from hpctrain.checkpoint.layout import from_numpy
+
+    state = {}
+    for s in u.slots:
+        param = name_of(s.name) if name_of is not None else s.name
+        (a, b), _ = u.shard_view(s)
+        start = s.offset + a - u.lo
+        for k in reader.keys(f"optim/{param}"):
+            name = f"optim/{param}/{k}"
+            dtype = getattr(torch, reader.dataset(name).attrs["torch_dtype"])
+            if tuple(reader.dataset(name).shape) != tuple(s.shape):
+                arr = reader.read(name)  # a scalar (Adam's step), kept on the CPU
+                if arr is not None:
+                    state[k] = from_numpy(np.asarray(arr), dtype).clone()
+                continue
+            arr = reader.read(name, s.shape, elems=(a, b))
+            buf = state.setdefault(k, torch.zeros(u.shard.shape, dtype=dtype,
+                                                  device=u.shard.device))
+            if arr is not None and b > a:
+                buf[start:start + (b - a)].copy_(from_numpy(arr, dtype))
+    return state
 
 
 def nbytes(tensors) -> int:
