@@ -115,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     bh.add_argument("--channels", type=int, default=32, help="exchange bench: channels")
     bh.add_argument("--batch", type=int, default=2, help="samples")
     bh.add_argument("--reps", type=int, default=50, help="exchange repetitions (median)")
+    bh.add_argument("--wide", type=int, default=4096, help="second exchange: a 1x64 field this "
+                    "wide, 8 rows per rank (2 MiB halos at 4096); 0 skips it")
     bh.add_argument("--model-size", type=int, default=256, help="U-Net grid side (multiple of 4)")
     bh.add_argument("--base", type=int, default=16, help="U-Net base channels")
     bh.add_argument("--steps", type=int, default=5, help="timed U-Net steps (median)")
@@ -251,7 +253,7 @@ def cmd_bench(args) -> int:
         from hpctrain.bench.halo import run as run_halo
 
         return run_halo(args.size, args.channels, args.batch, args.reps, args.model_size,
-                        args.base, args.steps, args.warmup)
+                        args.base, args.steps, args.warmup, args.wide)
     if args.bench_command == "step":
         from hpctrain.bench.step import run as run_step
 

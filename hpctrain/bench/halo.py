@@ -39,7 +39,9 @@ def _max():
     return MPI.MAX
 
 
-def _exchange_bench(world, size, channels, batch, reps):
+def _exchange_bench(world, batch, channels, height, size, reps, tile_copy=True) -> dict:
+    """Median times (s) of one periodic 3x3 halo exchange of a batch x channels x height x size
+    field split over a (ranks x 1) grid, and of the raw mpi4py baselines of the same bytes."""
     from mpi4py import MPI
 
     from hpctrain.parallel.domain.decomposition import WindowGeometry, rank_coords
@@ -47,7 +49,7 @@ def _exchange_bench(world, size, channels, batch, reps):
 
     comm, mpi = world.comm, world.mpi_comm
     grid = DomainGrid(comm, (comm.size, 1))
-    glob = (size, size)
+    glob = (height, size)
     geoms = [WindowGeometry(3, 1, 1, 1, 1)] * 2  # a 3x3 'same' conv: one halo row each side
     out_b = grid.bounds(glob)
     boxes = []
@@ -93,11 +95,33 @@ def _exchange_bench(world, size, channels, batch, reps):
     t_comm, t_plain, t_raw, t_inplace = _medians_s(
         [lambda: halo_exchange(x, comm_only, comm),
          lambda: start_halo(xd, comm_only, comm).finish(), raw, raw_inplace], reps, mpi)
-    t_full, = _medians_s([lambda: halo_exchange(x, plan, comm)], max(5, reps // 10), mpi)
+    t_full = None
+    if tile_copy:
+        t_full, = _medians_s([lambda: halo_exchange(x, plan, comm)], max(5, reps // 10), mpi)
     for t in (first, last, top, bottom):
         t.Free()
-    nbytes = r1.nbytes + r2.nbytes
-    return t_full, t_comm, t_plain, t_raw, t_inplace, nbytes
+    return {"full": t_full, "comm": t_comm, "plain": t_plain, "raw": t_raw, "inplace": t_inplace,
+            "bytes": r1.nbytes + r2.nbytes, "field": (batch, channels, height, size), "reps": reps}
+
+
+def _print_exchange(r) -> None:
+    b, c, height, size = r["field"]
+    print(f"  exchange of a {b}x{c}x{height}x{size} fp32 field, 3x3 periodic halo, "
+          f"{r['bytes'] / 1024:.0f} KiB received per rank, median of {r['reps']}:")
+    print(f"    raw mpi4py Sendrecv, packed buffers    {r['raw'] * 1e6:9.1f} us   (wire floor: halo "
+          "rows already contiguous)")
+    print(f"    raw mpi4py Sendrecv, subarray in place {r['inplace'] * 1e6:9.1f} us   (boundary rows "
+          "of the field -> halo rows of the window)")
+    print(f"    halo exchange (messages)               {r['comm'] * 1e6:9.1f} us   ratio "
+          f"{r['comm'] / r['inplace']:.2f}x in place (target <= 1.2), "
+          f"{r['comm'] / r['raw']:.2f}x packed")
+    print(f"      of which outside autograd          {r['plain'] * 1e6:9.1f} us   ratio "
+          f"{r['plain'] / r['inplace']:.2f}x in place (the same messages, no autograd node)")
+    if r["full"] is not None:
+        print(f"    halo exchange (+tile copy)             {r['full'] * 1e6:9.1f} us   (also copies "
+              "the tile into its padded window, as a conv layer needs)")
+
+
 
 
 def _domain_step(world, model, x, y, overlap, dom):
@@ -178,13 +202,16 @@ def _idle_wait(mpi):
         time.sleep(0.01)
 
 
-def run(size=512, channels=32, batch=2, reps=50, model_size=256, base=16, steps=5, warmup=2) -> int:
+def run(size=512, channels=32, batch=2, reps=50, model_size=256, base=16, steps=5, warmup=2,
+        wide=4096) -> int:
     from hpctrain.models.unet import UNet
     from hpctrain.runtime.world import init_world
 
     world = init_world(device="cpu")
     mpi, n = world.mpi_comm, world.size
-    t_full, t_comm, t_plain, t_raw, t_inplace, nbytes = _exchange_bench(world, size, channels, batch, reps)
+    exchanges = [_exchange_bench(world, batch, channels, size, size, reps)]
+    if wide:  # wide rows, few of them: 8x (at 4096) the halo bytes in little memory
+        exchanges.append(_exchange_bench(world, 1, 64, 8 * n, wide, reps, tile_copy=False))
     torch.manual_seed(0)
     model = UNet(1, base, 2, "group", True)
     g = torch.Generator().manual_seed(1)
@@ -194,18 +221,8 @@ def run(size=512, channels=32, batch=2, reps=50, model_size=256, base=16, steps=
     if world.rank == 0:
         print(f"halo bench: {n} ranks (grid {n}x1), load average {os.getloadavg()[0]:.2f} "
               f"(shared machine: numbers are noisy)")
-        print(f"  exchange of a {batch}x{channels}x{size}x{size} fp32 field, 3x3 periodic halo, "
-              f"{nbytes / 1024:.0f} KiB received per rank, median of {reps}:")
-        print(f"    raw mpi4py Sendrecv, packed buffers    {t_raw * 1e6:9.1f} us   (wire floor: halo "
-              "rows already contiguous)")
-        print(f"    raw mpi4py Sendrecv, subarray in place {t_inplace * 1e6:9.1f} us   (boundary rows "
-              "of the field -> halo rows of the window)")
-        print(f"    halo exchange (messages)               {t_comm * 1e6:9.1f} us   ratio "
-              f"{t_comm / t_inplace:.2f}x in place (target <= 1.2), {t_comm / t_raw:.2f}x packed")
-        print(f"      of which outside autograd          {t_plain * 1e6:9.1f} us   ratio "
-              f"{t_plain / t_inplace:.2f}x in place (the same messages, no autograd node)")
-        print(f"    halo exchange (+tile copy)             {t_full * 1e6:9.1f} us   (also copies the "
-              "tile into its padded window, as a conv layer needs)")
+        for r in exchanges:
+            _print_exchange(r)
         tile = -(-model_size // n)
         print(f"  U-Net step (base {base}, {batch}x1x{model_size}x{model_size}, AdamW; tiles of "
               f"{tile}x{model_size}), median of {steps} rounds after {warmup}:")
