@@ -311,10 +311,12 @@ def _print(rows, size, layers, width, micro, steps, warmup, v, load0, shared, la
     print("  bubble = idle share of the step span. sim = bubble the schedule would have with "
           "free communication and\n  every stage at its measured median fwd/bwd time; excess "
           "over formula = imbal (sim - formula: unequal\n  stages) + jitter (every action at its "
-          "own measured time) + comm (the rest: messages, latency, wake-ups)")
+          "own measured time) + comm (the rest: messages, latency, wake-ups); /sim = measured\n"
+          "  bubble over sim: what the implementation adds to the schedule run at the stages' "
+          "actual speeds")
     print(f"  {'schedule':<17}{'p':>2}{'m':>4}{'v':>3} {'wait':<6}"
           f"{'bubble per stage (measured)':<30}"
-          f"{'mean':>7}{'formula':>9}{'ratio':>7}{'sim':>7}{'imbal':>7}{'jitter':>7}{'comm':>7}"
+          f"{'mean':>7}{'formula':>9}{'ratio':>7}{'sim':>7}{'/sim':>6}{'imbal':>7}{'jitter':>7}{'comm':>7}"
           f"{'overhead':>9}{'samples/s':>11}{'torch':>9}{'ours/torch':>11}")
     for sched, p, m, vv, wait, per, formula, ours, theirs, over, bd in rows:
         mean = sum(per) / len(per)
@@ -322,7 +324,8 @@ def _print(rows, size, layers, width, micro, steps, warmup, v, load0, shared, la
         t = f"{theirs:9.0f}{ours / theirs:11.2f}" if theirs else f"{'-':>9}{'-':>11}"
         sim, act = bd["sim_stage"], bd["sim_actual"]
         print(f"  {sched:<17}{p:>2}{m:>4}{vv:>3} {wait:<6}{stages:<30}{mean:7.3f}{formula:9.3f}"
-              f"{mean / formula:7.2f}{sim:7.3f}{sim - formula:+7.3f}{act - sim:+7.3f}"
+              f"{mean / formula:7.2f}{sim:7.3f}{mean / max(sim, 1e-9):6.2f}{sim - formula:+7.3f}"
+              f"{act - sim:+7.3f}"
               f"{mean - act:+7.3f}{over:9.3f}{ours:11.0f}{t}")
     print("  compute per micro-batch, median ms forward/backward of each stage (last: with loss):")
     for sched, p, m, vv, wait, *_, bd in rows:

@@ -25,11 +25,13 @@ def test_bench_pipeline_prints_bubble_table():
     for r in rows:
         p, m, v = int(r[1]), int(r[2]), int(r[3])
         stages = [float(x) for x in r[5:5 + p]]
-        mean, formula, ratio, sim, imbal, jitter, comm, over, ours = map(float, r[5 + p:14 + p])
+        mean, formula, ratio, sim, vs_sim, imbal, jitter, comm, over, ours = map(
+            float, r[5 + p:15 + p])
         assert all(0.0 <= b < 1.0 for b in stages), r
         assert formula == pytest.approx(bubble_formula(p, m, v), abs=5e-4), r
         assert ratio == pytest.approx(mean / formula, abs=0.02), r
         assert 0.0 <= sim < 1.0 and imbal == pytest.approx(sim - formula, abs=2e-3), r
+        assert vs_sim == pytest.approx(mean / sim, abs=0.02) if sim > 0.01 else vs_sim >= 0, r
         # the three parts add up to the excess of the measured bubble over the formula
         assert imbal + jitter + comm == pytest.approx(mean - formula, abs=3e-3), r
         assert 0.0 <= over < 1.0 and ours > 0  # samples/s
