@@ -139,6 +139,20 @@ class FlatUnit:
 
     # ---- gradients ---------------------------------------------------------------------
 
+    def point_grads(self, grad_buf: torch.Tensor) -> None:
+        """Make every param's .grad (and the shard's) a view of the flat gradient buffer, so
+        autograd accumulates in place; a .grad someone replaced (zero_grad, set_to_none)
+        is copied in, or zeroed when missing."""
+        for s in self.slots:
+            view = grad_buf[s.offset:s.offset + s.numel]
+            g = s.param.grad
+            if g is None:
+                view.zero_()
+            elif g.data_ptr() != view.data_ptr():
+                view.copy_(g.reshape(-1))
+            s.param.grad = view.view(s.shape)
+        self.shard.grad = grad_buf[self.lo:self.hi]
+
     def grad_range(self, lo: int, hi: int, out: torch.Tensor, grads: list) -> torch.Tensor:
         """Copy flat elements [lo, hi) of the packed gradient into out (missing grads and
         padding as zeros) without packing the whole unit; grads[j]: slot j's flat grad or None."""

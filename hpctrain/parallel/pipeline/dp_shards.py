@@ -97,25 +97,13 @@ class DPShards:
             u = st.unit
             if mode == "zero1":  # autograd accumulates in place into views of one buffer
                 st.grad_buf = torch.zeros_like(u.full)
-                self._point_grads(st)
+                u.point_grads(st.grad_buf)
             for j, s in enumerate(u.slots):
                 s.param.register_post_accumulate_grad_hook(partial(self._on_grad, i, j))
         self.optimizer = make_optimizer([st.unit.shard for st in self.units])
         self._slot_by_name = {s.name: (st.unit, s) for st in self.units for s in st.unit.slots}
 
     # ---- gradients -----------------------------------------------------------------------
-
-    def _point_grads(self, st: _Unit) -> None:
-        u = st.unit
-        for s in u.slots:
-            view = st.grad_buf[s.offset:s.offset + s.numel]
-            g = s.param.grad
-            if g is None:  # someone called zero_grad(): point .grad back at the buffer
-                view.zero_()
-            elif g.data_ptr() != view.data_ptr():
-                view.copy_(g.reshape(-1))
-            s.param.grad = view.view(s.shape)
-        u.shard.grad = st.grad_buf[u.lo:u.hi]
 
     def _on_grad(self, i: int, j: int, param) -> None:
         self.units[i].had[j] = True
@@ -149,7 +137,7 @@ class DPShards:
         for st in self.units:
             u = st.unit
             if self.mode == "zero1":
-                self._point_grads(st)
+                u.point_grads(st.grad_buf)  # after a zero_grad(): back at the buffer
                 tmp = self.dp.reduce_scatter(st.grad_buf, op="sum")
                 st.grad_buf[u.lo:u.hi].copy_(tmp)
             else:

@@ -91,9 +91,7 @@ class ShardedModel(Parallelized):
             if plan.persistent_grads:
                 # Autograd accumulates in place into preset .grad views of one flat buffer.
                 st.grad_buf = torch.zeros_like(u.full)
-                for s in u.slots:
-                    s.param.grad = st.grad_buf[s.offset:s.offset + s.numel].view(s.shape)
-                u.shard.grad = st.grad_buf[u.lo:u.hi]
+                u.point_grads(st.grad_buf)
             for j, s in enumerate(u.slots):
                 s.param.register_post_accumulate_grad_hook(partial(self._on_grad, i, j))
 
@@ -149,14 +147,7 @@ class ShardedModel(Parallelized):
         for st in self._states:
             u = st.unit
             if self.plan.persistent_grads:
-                for s in u.slots:  # someone called zero_grad(): point .grad back at the buffer
-                    view = st.grad_buf[s.offset:s.offset + s.numel]
-                    g = s.param.grad
-                    if g is None:
-                        view.zero_()
-                    elif g.data_ptr() != view.data_ptr():
-                        view.copy_(g.reshape(-1))
-                    s.param.grad = view.view(s.shape)
+                u.point_grads(st.grad_buf)  # after a zero_grad(): back at the buffer
                 tmp = self.comm.reduce_scatter(st.grad_buf, op="sum")
                 st.grad_buf[u.lo:u.hi].copy_(tmp)
                 continue

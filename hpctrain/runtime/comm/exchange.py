@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hpctrain.runtime.comm.base import SUPPORTED_DTYPES, Request
+from hpctrain.runtime.comm.base import Request
 
 __all__ = ["AllRequests", "BoxesExchange"]
 
@@ -77,23 +77,17 @@ class BoxesExchange:
 
     def _check_fit(self, recv_into, send_from) -> None:
         """Raise unless both tensors fit the messages (once per layout: see _start)."""
-        self._check(recv_into, self.recvs, "recv_into")
-        self._check(send_from, self.sends, "send_from")
+        self._check(recv_into, self.recvs, "recv_into", "source")
+        self._check(send_from, self.sends, "send_from", "dest")
 
-    def _check(self, tensor, messages, what: str) -> None:
+    def _check(self, tensor, messages, what: str, peer_kind: str) -> None:
         if not messages:
             return
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{what} must be a torch.Tensor (this exchange has messages for it), "
                             f"got {type(tensor).__name__}")
-        if tensor.dtype not in SUPPORTED_DTYPES or tensor.device != self.comm.device:
-            self.comm._check_tensor(tensor, what)  # raises its clear dtype/device error
-        for _, _, boxes in messages:
-            for box in boxes:
-                if len(box) > tensor.dim() or any(
-                        hi > n for (_, hi), n in zip(box, tensor.shape[tensor.dim() - len(box):])):
-                    raise ValueError(f"box {box!r} does not fit the trailing dims of {what} of "
-                                     f"shape {tuple(tensor.shape)}")
+        for peer, tag, boxes in messages:  # dtype, device, and every box inside the tensor
+            self.comm._check_boxes(tensor, boxes, peer, peer_kind, tag)
 
     def _start(self, recv_into, send_from) -> Request:
         """Default: one isend/irecv of boxes per message (backends may do better)."""
