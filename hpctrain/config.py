@@ -21,6 +21,7 @@ __all__ = [
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "pipeline", "domain")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 PIPELINE_BALANCE = ("param-count", "measured")
+PIPELINE_P2P = ("auto", "eager", "ordered")  # parallel/pipeline/p2p.py P2P_MODES: the same
 PIPELINE_DP_SHARDING = ("ddp", "zero1", "zero2")  # parallel/pipeline/dp_shards.py: the same
 # fsdp choices (kept here so validation needs no torch import; parallel/fsdp.py checks the same).
 FSDP_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
@@ -102,6 +103,10 @@ class PipelineSection:
     dp_sharding: str = _f("ddp", "each stage's gradients over dp: all-reduced (ddp), or "
                           "optimizer state (zero1) and gradients too (zero2) sharded",
                           choices=PIPELINE_DP_SHARDING)
+    p2p: str = _f("auto", "how stages post messages: eager (non-blocking sends, MPI tags; CPU) "
+                  "or ordered (grouped send/recv matched by order, as NCCL needs; on MPI the "
+                  "sends are synchronous, so a CPU run proves the order safe); auto: ordered "
+                  "on GPUs", choices=PIPELINE_P2P)
 
 
 @dataclass

@@ -44,7 +44,7 @@ def strategy_options(cfg: Config):
                                microbatches=pl.microbatches, virtual_stages=pl.virtual_stages,
                                balance=pl.balance, split_points=pl.split_points,
                                activation_checkpointing=cfg.train.activation_checkpointing,
-                               dp_sharding=pl.dp_sharding)
+                               dp_sharding=pl.dp_sharding, p2p=pl.p2p)
     if s == "domain":
         from hpctrain.parallel.domain.strategy import DomainOptions
 

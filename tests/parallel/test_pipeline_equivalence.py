@@ -1,5 +1,6 @@
 """Pipeline (pp=2, pp=4, dp=2 x pp=2) x (gpipe, 1f1b, interleaved-1f1b) x (mlp, gpt) x
-(sgd, adamw) reproduces single-process training: losses over 20 steps within rtol 1e-5."""
+(sgd, adamw) reproduces single-process training: losses over 20 steps within rtol 1e-5, with
+the eager p2p issue order (CPU) and the ordered one (NCCL's rules, emulated over MPI)."""
 
 import json
 
@@ -39,6 +40,17 @@ def _cases(mesh):
                   "train": {**_train("mlp", "sgd"), "strategy": "pipeline"},
                   "pipeline": {"schedule": "1f1b", "microbatches": 4, "balance": "measured"},
                   "runtime": {"mesh": mesh}, "key": ["mlp", "sgd", 1]})
+    # The ordered issue order (what NCCL runs: grouped sends and receives matched by order
+    # alone, tag 0) with synchronous MPI sends: a send completes only when its receive runs,
+    # as on NCCL, so an order that would hang or pair the wrong messages there fails here.
+    for model, opt, sched, m in (("gpt", "adamw", "gpipe", 4), ("mlp", "sgd", "1f1b", 4),
+                                 ("gpt", "sgd", "interleaved-1f1b", 4),
+                                 ("mlp", "adamw", "interleaved-1f1b", 8)):
+        cases.append({"name": f"{mesh}-{model}-{opt}-{sched}-m{m}-ordered",
+                      "train": {**_train(model, opt), "strategy": "pipeline"},
+                      "pipeline": {"schedule": sched, "microbatches": m, "virtual_stages": 2,
+                                   "p2p": "ordered"},
+                      "runtime": {"mesh": mesh}, "key": [model, opt, 1]})
     return cases
 
 

@@ -153,7 +153,45 @@ def check_p2p(comm, backend):
             expect(buf, torch.full((2, 2), left + 1, dtype=dt), f"isend/irecv {dt}")
         check_boxes(comm, left, right)
         check_exchange(comm, left, right)
+        check_p2p_group(comm, left, right, backend)
     comm.barrier()
+
+
+def check_p2p_group(comm, left, right, backend):
+    """p2p_group: every rank sends to both neighbours and receives from both in ONE group,
+    sends listed first, with synchronous sends (each completes only once its receive has
+    started): posted one by one and waited in order, this would hang; as a group it cannot.
+    Two messages on one tag and direction arrive in the order they were posted."""
+    r = comm.rank
+    for synchronous in (True, False):
+        out_r = [torch.full((3,), 10 * r + k, dtype=torch.float64) for k in range(2)]
+        out_l = torch.full((5,), -r, dtype=torch.float32)
+        in_l = [torch.zeros(3, dtype=torch.float64) for _ in range(2)]
+        in_r = torch.zeros(5, dtype=torch.float32)
+        req = comm.p2p_group(sends=[(out_r[0], right, 0), (out_r[1], right, 0), (out_l, left, 1)],
+                             recvs=[(in_l[0], left, 0), (in_l[1], left, 0), (in_r, right, 1)],
+                             synchronous=synchronous)
+        if synchronous:
+            while not req.test():
+                pass
+        else:
+            req.wait()
+        for k in range(2):
+            expect(in_l[k], torch.full((3,), 10 * left + k, dtype=torch.float64),
+                   f"p2p_group message {k} from the left, synchronous={synchronous}")
+        expect(in_r, torch.full((5,), -right, dtype=torch.float32),
+               f"p2p_group from the right, synchronous={synchronous}")
+    if backend == "mpi":  # a synchronous send is not complete before its receive is posted
+        x, y = torch.ones(4), torch.zeros(4)
+        send = comm.p2p_group(sends=[(x, right, 9)], synchronous=True)
+        early = send.test()
+        comm.barrier()  # no rank posts its receive before every rank has tested
+        comm.p2p_group(recvs=[(y, left, 9)]).wait()
+        send.wait()
+        if early:
+            raise AssertionError("a synchronous p2p_group send completed before its receive")
+    expect_raises(ValueError, "not a rank", lambda: comm.p2p_group(
+        sends=[(out_l, comm.size, 0)]), "p2p_group to a rank outside the communicator")
 
 
 def check_boxes(comm, left, right):

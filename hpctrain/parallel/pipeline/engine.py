@@ -7,8 +7,9 @@ import time
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from hpctrain.parallel.pipeline import p2p_plan
 from hpctrain.parallel.pipeline.p2p import StageLinks
-from hpctrain.parallel.pipeline.schedule import Action, stage_of
+from hpctrain.parallel.pipeline.schedule import Action
 
 __all__ = ["Engine"]
 
@@ -33,6 +34,7 @@ class Engine:
         self.trace: list | None = None
         self.peak_live = 0
         self.after_backward = None  # called with the action's index after each backward
+        self._plan = None
 
     def _forward_chunk(self, c: int, x):
         for layer in self.chunks[c]:
@@ -42,16 +44,28 @@ class Engine:
                 x = layer.forward(self.root, x)
         return x
 
+    def _steps(self, actions: list[Action]):
+        """The p2p plan of ``actions`` (computed once per schedule)."""
+        if self._plan is None or self._plan[0] is not actions:
+            self._plan = (actions, p2p_plan.plan(actions, self.rank, self.p, self.v,
+                                                 self.links.ordered))
+        return self._plan[1]
+
     def run(self, actions: list[Action], micro: list, loss_fn, precision) -> float:
         """Run ``actions`` over ``micro`` = [(x, y, weight)]; return the weighted loss sum
         (nonzero on the rank of the last stage only)."""
         live: dict = {}   # (mb, chunk) -> (input, output or scaled loss)
+        inbox: dict = {}  # Msg -> received tensor, until its action runs
+        outbox: dict = {} # Msg -> tensor to send, until its group is posted
         loss_sum = 0.0
-        for i, a in enumerate(actions):
-            g = stage_of(self.rank, a.chunk, self.p)
+        for i, st in enumerate(self._steps(actions)):
+            a, g = st.action, st.stage
+            if st.pre_sends or st.pre_recvs:
+                inbox.update(self.links.post([(m, outbox.pop(m)) for m in st.pre_sends],
+                                             st.pre_recvs))
             if a.op == "F":
                 x, y, w = micro[a.mb]
-                inp = x if g == 0 else self.links.recv_activation(g - 1)
+                inp = x if st.recv is None else inbox.pop(st.recv)
                 if g > 0 and inp.is_floating_point():
                     inp.requires_grad_(True)
                 t0 = time.perf_counter()
@@ -63,24 +77,27 @@ class Engine:
                     loss_sum += float(loss.detach()) * w
                     out = precision.scale(loss * w)
                 else:
-                    self.links.send_activation(g, out, a.mb)
+                    outbox[st.send] = out.detach()
                 live[(a.mb, a.chunk)] = (inp, out)
                 self.peak_live = max(self.peak_live, len(live))
             else:
                 inp, out = live.pop((a.mb, a.chunk))
-                grad = None if g == self.S - 1 else self.links.recv_grad(g)
+                grad = None if st.recv is None else inbox.pop(st.recv)
                 t0 = time.perf_counter()
                 if out.requires_grad:
                     torch.autograd.backward(out, grad)
-                if g > 0 and inp.is_floating_point():
-                    self.links.send_grad(g - 1, inp.grad if inp.grad is not None
-                                         else torch.zeros_like(inp))
+                if st.send is not None:  # the previous stage's backward waits for it
+                    outbox[st.send] = inp.grad if inp.grad is not None else torch.zeros_like(inp)
                 if self.after_backward is not None:  # e.g. zero2 reduces finished grads
                     self.after_backward(i)
+            t1 = time.perf_counter()
+            if st.post_sends:
+                self.links.post([(m, outbox.pop(m)) for m in st.post_sends])
             if self.trace is not None:
-                self.trace.append((a.op, a.mb, a.chunk, t0, time.perf_counter()))
-        if live:
+                self.trace.append((a.op, a.mb, a.chunk, t0, t1))
+        if live or inbox or outbox:
             raise RuntimeError(f"pipeline schedule left activations of {sorted(live)} without "
-                               "a backward; the schedule is incomplete")
+                               f"a backward, or messages {sorted(map(str, [*inbox, *outbox]))} "
+                               "unused; the schedule is incomplete")
         self.links.wait_all()
         return loss_sum

@@ -2,10 +2,17 @@
 
 The shape and dtype crossing each stage boundary are agreed ONCE, by a small header sent
 ahead of the first activation; later micro-batches move only the data, and a sender whose
-output shape changes raises a clear error instead of corrupting the receiver. Sends are
-non-blocking (a stage never waits for its neighbour to be ready); receives block, and the
-time spent in them is the stage's idle time. Messages of one boundary and direction carry
-their own tag, so their order is the schedule's order (MPI never overtakes on one tag).
+output shape changes raises a clear error instead of corrupting the receiver.
+
+Two issue orders (p2p_plan.py says which messages each action posts):
+
+* eager (CPU: MPI, gloo): sends are non-blocking and never wait for the neighbour; receives
+  block, and the time spent in them is the stage's idle time. Messages of one boundary and
+  direction carry their own tag, so their order is the schedule's order.
+* ordered (GPU: NCCL, or ``pipeline.p2p = ordered``): NCCL has no tags and its sends block
+  until the receive runs, so every exchange is one group posted and completed together,
+  all with tag 0 (matching by order alone); on MPI the sends are synchronous (Issend), so a
+  CPU run behaves as NCCL would and proves the order safe.
 """
 
 from __future__ import annotations
@@ -16,13 +23,18 @@ from collections import deque
 
 import torch
 
+from hpctrain.parallel.pipeline.p2p_plan import Msg
 from hpctrain.runtime.comm.idle import wait_idle
 
-__all__ = ["StageLinks", "ShapeError", "WAITS"]
+__all__ = ["StageLinks", "ShapeError", "WAITS", "P2P_MODES"]
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
            torch.int32, torch.uint8, torch.int8, torch.bool)
 _HEADER = 10  # dtype index, ndim, up to 8 dims
+_KIND_TAG = {"act": 0, "grad": 1, "hdr": 2}
+
+#: pipeline.p2p: "auto" is ordered on GPUs (NCCL) and eager on CPUs.
+P2P_MODES = ("auto", "eager", "ordered")
 
 
 class ShapeError(RuntimeError):
@@ -36,100 +48,164 @@ class ShapeError(RuntimeError):
 WAITS = ("spin", "yield", "sleep")
 
 
+def ordered_mode(p2p: str, device: torch.device, p: int) -> bool:
+    """Whether a pipeline of ``p`` ranks on ``device`` uses the ordered issue order."""
+    if p2p not in P2P_MODES:
+        raise ValueError(f"pipeline.p2p = {p2p!r}: expected one of {', '.join(P2P_MODES)}")
+    if p == 1:
+        return False  # every message stays on this rank
+    return device.type == "cuda" if p2p == "auto" else p2p == "ordered"
+
+
 class StageLinks:
     """Point-to-point links of one rank's stages. Boundary b joins stage b to stage b+1;
     stage g lives on pp rank g % p."""
 
-    def __init__(self, comm, num_stages: int, device: torch.device):
+    def __init__(self, comm, num_stages: int, device: torch.device, ordered: bool = False):
         self.comm = comm
         self.p = comm.size
         self.S = num_stages
         self.device = device
+        self.ordered = ordered
         self.meta: dict[int, tuple] = {}   # boundary -> (shape, dtype), agreed once
         self._pending: list = []           # (request, tensor kept alive until sent)
-        self._local: dict[int, deque] = {} # tag -> messages to this same rank
+        self._local: dict[Msg, torch.Tensor] = {}  # messages to this same rank
         self.recv_wait = 0.0               # seconds blocked in receives (idle time)
         # How a receive waits (WAITS). On a GPU the backend's recv only orders the streams
         # and the host must not block on the kernel, so only CPU ranks sleep-poll.
         self.wait = "sleep" if device.type == "cpu" else "spin"
 
-    # tags: activations 3b, gradients 3b+1, headers 3b+2
-    def _rank(self, stage: int) -> int:
-        return stage % self.p
+    def _peer(self, msg: Msg, sending: bool) -> int:
+        return (msg.dst_stage() if sending else msg.src_stage()) % self.p
 
-    def _send(self, tensor: torch.Tensor, stage: int, tag: int) -> None:
-        dest = self._rank(stage)
-        if dest == self.comm.rank:
-            self._local.setdefault(tag, deque()).append(tensor.clone())
-            return
+    def _tag(self, msg: Msg) -> int:
+        return 0 if self.ordered else 3 * msg.boundary + _KIND_TAG[msg.kind]
+
+    def _complete(self, req) -> None:
+        """Wait for ``req`` the way this rank waits (WAITS), counting the time as idle."""
+        t0 = time.perf_counter()
+        if self.wait == "spin":
+            req.wait()
+        elif self.wait == "yield":
+            while not req.test():
+                os.sched_yield()
+        else:
+            wait_idle(req)
+        self.recv_wait += time.perf_counter() - t0
+
+    def _outgoing(self, sends) -> list:
+        """(tensor, dest, tag) ops of ``sends`` [(Msg, tensor)], a shape header ahead of a
+        boundary's first activation; messages to this rank are kept locally instead."""
+        ops = []
+        for msg, t in sends:
+            t = t.detach().contiguous()
+            if msg.kind == "act":
+                header = self._check_shape(msg, t)
+                if header is not None:
+                    ops.append((header, self._peer(msg, True), self._tag(Msg("hdr", msg.boundary,
+                                                                             msg.mb))))
+            dest = self._peer(msg, True)
+            if dest == self.comm.rank:
+                self._local[msg] = t.clone()
+            else:
+                ops.append((t, dest, self._tag(msg)))
+        return ops
+
+    def _check_shape(self, msg: Msg, t: torch.Tensor):
+        """The header to send ahead of boundary ``msg.boundary``'s first activation (None
+        later); raise ShapeError when a later activation's shape or dtype differs."""
+        b, shape, dtype = msg.boundary, tuple(t.shape), t.dtype
+        if b in self.meta:
+            if self.meta[b] != (shape, dtype):
+                want = self.meta[b]
+                raise ShapeError(
+                    f"pipeline: stage {b} output for micro-batch {msg.mb} has shape {shape} "
+                    f"{dtype}, but the stages agreed {want[0]} {want[1]} at the first "
+                    f"micro-batch; pipeline micro-batches must keep one shape (make "
+                    f"global_batch_size divisible by dp x pipeline.microbatches x grad_accum, "
+                    f"keep sequence lengths fixed)")
+            return None
+        if t.dim() > _HEADER - 2 or dtype not in _DTYPES:
+            raise TypeError(f"pipeline: stage {b} output of shape {shape} and dtype {dtype} "
+                            f"cannot cross a stage boundary (at most {_HEADER - 2} dims, "
+                            f"dtype one of {_DTYPES})")
+        header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+        header[0], header[1] = _DTYPES.index(dtype), len(shape)
+        header[2:2 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
+        self.meta[b] = (shape, dtype)
+        return header
+
+    def _buffer(self, msg: Msg) -> torch.Tensor:
+        shape, dtype = self.meta[msg.boundary]
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def post(self, sends=(), recvs=()) -> dict:
+        """Send ``sends`` [(Msg, tensor)] and receive ``recvs`` [Msg]; return {Msg: tensor}.
+
+        Eager: the sends are posted non-blocking (completed by ``wait_all``) and each
+        receive blocks. Ordered: the sends and receives are one group, completed before
+        this returns; a boundary's first activation needs its header first (to size the
+        buffer), so that receive takes a group of its own after the headers'."""
+        ops = self._outgoing(sends)
+        got, remote = {}, []
+        for msg in recvs:
+            src = self._peer(msg, False)
+            if src != self.comm.rank:
+                remote.append((msg, src))
+                continue
+            if msg not in self._local:
+                raise RuntimeError(f"pipeline: {msg} has not been produced on this rank yet; "
+                                   "the schedule is out of order")
+            got[msg] = self._local.pop(msg)
+        new = [(m, s) for m, s in remote if m.kind == "act" and m.boundary not in self.meta]
+        if not self.ordered:
+            for op in ops:
+                self._isend(*op)
+            for msg, src in remote:
+                if (msg, src) in new:
+                    self._read_header(msg, self._recv(self._header_buffer(), src,
+                                                      self._tag(Msg("hdr", msg.boundary, msg.mb))))
+                got[msg] = self._recv(self._buffer(msg), src, self._tag(msg))
+            return got
+        if new:
+            heads = [(self._header_buffer(), s, self._tag(Msg("hdr", m.boundary, m.mb)))
+                     for m, s in new]
+            self._complete(self.comm.p2p_group(ops, heads, synchronous=True))
+            for (m, _), (h, _, _) in zip(new, heads):
+                self._read_header(m, h)
+            ops = []
+        bufs = [(self._buffer(m), s, self._tag(m)) for m, s in remote]
+        if ops or bufs:
+            self._complete(self.comm.p2p_group(ops, bufs, synchronous=True))
+        got.update((m, b) for (m, _), (b, _, _) in zip(remote, bufs))
+        return got
+
+    def _header_buffer(self) -> torch.Tensor:
+        return torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+
+    def _read_header(self, msg: Msg, header: torch.Tensor) -> None:
+        h = header.tolist()
+        self.meta[msg.boundary] = (tuple(int(x) for x in h[2:2 + h[1]]), _DTYPES[h[0]])
+
+    def _isend(self, tensor, dest, tag) -> None:
         self._pending.append((self.comm.isend(tensor, dest, tag), tensor))
         if len(self._pending) > 64:
             self._pending = [(r, t) for r, t in self._pending if not r.test()]
 
-    def _recv(self, out: torch.Tensor, stage: int, tag: int) -> torch.Tensor:
-        src = self._rank(stage)
-        if src == self.comm.rank:
-            q = self._local.get(tag)
-            if not q:
-                raise RuntimeError(f"pipeline: stage {stage} has not produced message tag {tag} "
-                                   "yet; the schedule is out of order")
-            return q.popleft()
-        t0 = time.perf_counter()
+    def _recv(self, out: torch.Tensor, src: int, tag: int) -> torch.Tensor:
         if self.wait == "spin":
+            t0 = time.perf_counter()
             self.comm.recv(out, src, tag)
+            self.recv_wait += time.perf_counter() - t0
         else:
-            req = self.comm.irecv(out, src, tag)
-            if self.wait == "yield":
-                while not req.test():
-                    os.sched_yield()
-            else:
-                wait_idle(req)
-        self.recv_wait += time.perf_counter() - t0
+            self._complete(self.comm.irecv(out, src, tag))
         return out
-
-    def send_activation(self, b: int, t: torch.Tensor, mb: int) -> None:
-        """Send stage b's output (boundary b) to stage b+1."""
-        t = t.detach().contiguous()
-        shape, dtype = tuple(t.shape), t.dtype
-        if b not in self.meta:
-            if t.dim() > _HEADER - 2 or dtype not in _DTYPES:
-                raise TypeError(f"pipeline: stage {b} output of shape {shape} and dtype {dtype} "
-                                f"cannot cross a stage boundary (at most {_HEADER - 2} dims, "
-                                f"dtype one of {_DTYPES})")
-            header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
-            header[0], header[1] = _DTYPES.index(dtype), len(shape)
-            header[2:2 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
-            self._send(header, b + 1, 3 * b + 2)
-            self.meta[b] = (shape, dtype)
-        elif self.meta[b] != (shape, dtype):
-            want = self.meta[b]
-            raise ShapeError(
-                f"pipeline: stage {b} output for micro-batch {mb} has shape {shape} {dtype}, but "
-                f"the stages agreed {want[0]} {want[1]} at the first micro-batch; pipeline "
-                f"micro-batches must keep one shape (make global_batch_size divisible by "
-                f"dp x pipeline.microbatches x grad_accum, keep sequence lengths fixed)")
-        self._send(t, b + 1, 3 * b)
-
-    def recv_activation(self, b: int) -> torch.Tensor:
-        """Receive stage b's output (boundary b) on stage b+1."""
-        if b not in self.meta:
-            header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-            header = self._recv(header, b, 3 * b + 2).tolist()
-            self.meta[b] = (tuple(int(x) for x in header[2:2 + header[1]]), _DTYPES[header[0]])
-        shape, dtype = self.meta[b]
-        return self._recv(torch.empty(shape, dtype=dtype, device=self.device), b, 3 * b)
-
-    def send_grad(self, b: int, g: torch.Tensor) -> None:
-        """Send the gradient of boundary b's activation back from stage b+1 to stage b."""
-        self._send(g.detach().contiguous(), b, 3 * b + 1)
-
-    def recv_grad(self, b: int) -> torch.Tensor:
-        """Receive the gradient of boundary b's activation on stage b."""
-        shape, dtype = self.meta[b]
-        return self._recv(torch.empty(shape, dtype=dtype, device=self.device), b + 1, 3 * b + 1)
 
     def wait_all(self) -> None:
         """Complete every pending send (end of a step)."""
         for req, _ in self._pending:  # the last sends complete while neighbours compute
             req.wait() if self.wait == "spin" else wait_idle(req)
         self._pending.clear()
+        if self._local:
+            raise RuntimeError(f"pipeline: {sorted(map(str, self._local))} were sent on this "
+                               "rank but never received; the schedule is incomplete")

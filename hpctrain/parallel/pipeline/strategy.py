@@ -14,7 +14,8 @@ from hpctrain.parallel.base import OptimizerFactory, Parallelized
 from hpctrain.parallel.pipeline import plan, schedule as sched
 from hpctrain.parallel.pipeline.dp_shards import DP_SHARDINGS, DPShards
 from hpctrain.parallel.pipeline.engine import Engine
-from hpctrain.parallel.pipeline.p2p import StageLinks
+from hpctrain.parallel.pipeline import p2p_plan
+from hpctrain.parallel.pipeline.p2p import P2P_MODES, StageLinks, ordered_mode
 
 __all__ = ["PipelineOptions", "Pipelined", "wrap", "resolve_layout"]
 
@@ -31,6 +32,7 @@ class PipelineOptions:
     split_points: str = ""
     activation_checkpointing: bool = False
     dp_sharding: str = "ddp"        # gradients over dp: ddp all-reduce, or zero1/zero2 shards
+    p2p: str = "auto"               # issue order: eager (CPU), ordered (NCCL); auto by device
     sample: object = None           # one micro-batch input, for balance="measured"
 
     @property
@@ -303,10 +305,15 @@ def wrap(stack, make_optimizer: OptimizerFactory, world, options: PipelineOption
     if opts.dp_sharding not in DP_SHARDINGS:  # pure: before any collective
         raise ValueError(f"pipeline.dp_sharding = {opts.dp_sharding!r}: expected one of "
                          f"{', '.join(DP_SHARDINGS)}")
+    if opts.p2p not in P2P_MODES:
+        raise ValueError(f"pipeline.p2p = {opts.p2p!r}: expected one of {', '.join(P2P_MODES)}")
     layout = resolve_layout(opts.mesh, world.size)
     p, v = layout.pp, opts.chunks
     plan.check_fits(len(stack), p, v, opts.schedule)       # pure: before any collective
     actions_all = sched.build(opts.schedule, p, opts.microbatches, v)
+    ordered = ordered_mode(opts.p2p, world.device, p)
+    if ordered:  # NCCL matches by order and blocks sends: prove the order safe first
+        p2p_plan.check_ordered(actions_all, v)
     names = [layer.name for layer in stack.layers]
     if opts.split_points:
         starts = plan.split_at(opts.split_points, names, p * v)
@@ -335,7 +342,7 @@ def wrap(stack, make_optimizer: OptimizerFactory, world, options: PipelineOption
     if any(holders):
         sub = pp.split(0 if tied_local else None, key=pp.rank)
         tied_comm = sub if tied_local else None
-    links = StageLinks(pp, p * v, world.device)
+    links = StageLinks(pp, p * v, world.device, ordered)
     engine = Engine(root, chunks, links, pp.rank, p, opts.activation_checkpointing)
     shards = None
     if opts.dp_sharding != "ddp":
@@ -349,5 +356,6 @@ def wrap(stack, make_optimizer: OptimizerFactory, world, options: PipelineOption
         split = " | ".join(f"{g}:{names[grp[0]]}..{names[grp[-1]]}" for g, grp in enumerate(groups))
         print(f"hpctrain: pipeline pp={p} dp={dp.size} schedule={opts.schedule} "
               f"microbatches={opts.microbatches} chunks/rank={v} dp_sharding={opts.dp_sharding} "
+              f"p2p={'ordered' if ordered else 'eager'} "
               f"stages {split}", flush=True)
     return par

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["OPS", "SUPPORTED_DTYPES", "Communicator", "CompletedRequest", "NullCommunicator",
-           "Request", "box_index"]
+__all__ = ["OPS", "SUPPORTED_DTYPES", "AllRequests", "Communicator", "CompletedRequest",
+           "NullCommunicator", "Request", "box_index"]
 
 #: Reduction op names accepted by ``allreduce``, ``reduce_scatter`` and ``allreduce_scalars``.
 OPS = ("sum", "avg", "max", "min", "prod")
@@ -48,6 +48,24 @@ class CompletedRequest(Request):
     def test(self) -> bool:
         """Return True: the operation is already complete."""
         return True
+
+
+class AllRequests(Request):
+    """Several requests completed together."""
+
+    def __init__(self, requests: list):
+        self._requests = requests
+
+    def wait(self) -> None:
+        """Block until every request has completed."""
+        for r in self._requests:
+            r.wait()
+        self._requests = []
+
+    def test(self) -> bool:
+        """Return True if every request has completed, without blocking."""
+        self._requests = [r for r in self._requests if not r.test()]
+        return not self._requests
 
 
 class Communicator(ABC):
@@ -158,6 +176,22 @@ class Communicator(ABC):
         self._check_p2p(tensor, source, "source", tag)
         return self._irecv(_wire(tensor), source, tag)
 
+    def p2p_group(self, sends: Sequence = (), recvs: Sequence = (),
+                  synchronous: bool = False) -> Request:
+        """Post ``sends`` [(tensor, dest, tag)] and ``recvs`` [(tensor, source, tag)] as one
+        group; the Request completes when all have. Ops in a group progress independently,
+        so two ranks that each send to and receive from the other in one group cannot
+        deadlock, whatever the order (NCCL: one ncclGroupStart/End, whose sends otherwise
+        block until the peer's receive runs). ``synchronous``: a send completes only once
+        its receive has started (MPI_Issend), as NCCL's do, so a CPU run can prove an issue
+        order safe for NCCL; backends without that mode ignore it."""
+        for tensor, peer, tag in sends:
+            self._check_p2p(tensor, peer, "dest", tag)
+        for tensor, peer, tag in recvs:
+            self._check_p2p(tensor, peer, "source", tag)
+        return self._p2p_group([(_wire(t), d, tag) for t, d, tag in sends],
+                               [(_wire(t), s, tag) for t, s, tag in recvs], synchronous)
+
     def isend_boxes(self, tensor: torch.Tensor, boxes: Sequence, dest: int,
                     tag: int = 0) -> Request:
         """Send several boxes of ``tensor`` as ONE message to ``dest`` (point to point).
@@ -239,6 +273,11 @@ class Communicator(ABC):
     @abstractmethod
     def _irecv(self, tensor: torch.Tensor, source: int, tag: int) -> Request:
         """Start a non-blocking receive from ``source``."""
+
+    def _p2p_group(self, sends, recvs, synchronous: bool) -> Request:
+        """Default: each op posted on its own, receives first (nothing here blocks)."""
+        return AllRequests([self._irecv(t, s, tag) for t, s, tag in recvs]
+                           + [self._isend(t, d, tag) for t, d, tag in sends])
 
     def _isend_boxes(self, tensor, boxes, dest: int, tag: int) -> Request:
         """Default: pack the boxes into one buffer and send it (the backend's request holds
@@ -421,7 +460,7 @@ def _not_member(name: str):
 
 # Public methods and backend hooks alike raise on a NullCommunicator.
 for _name in ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall", "barrier",
-              "allreduce_scalars", "send", "recv", "isend", "irecv", "isend_boxes",
+              "allreduce_scalars", "send", "recv", "isend", "irecv", "p2p_group", "isend_boxes",
               "irecv_boxes", "boxes_exchange", "split"):
     setattr(NullCommunicator, _name, _not_member(_name))
     setattr(NullCommunicator, "_" + _name, _not_member(_name))

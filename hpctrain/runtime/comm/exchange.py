@@ -13,27 +13,9 @@ from collections.abc import Sequence
 
 import torch
 
-from hpctrain.runtime.comm.base import Request
+from hpctrain.runtime.comm.base import AllRequests, Request
 
-__all__ = ["AllRequests", "BoxesExchange"]
-
-
-class AllRequests(Request):
-    """Several requests completed together."""
-
-    def __init__(self, requests: list):
-        self._requests = requests
-
-    def wait(self) -> None:
-        """Block until every request has completed."""
-        for r in self._requests:
-            r.wait()
-        self._requests = []
-
-    def test(self) -> bool:
-        """Return True if every request has completed, without blocking."""
-        self._requests = [r for r in self._requests if not r.test()]
-        return not self._requests
+__all__ = ["AllRequests", "BoxesExchange"]  # AllRequests lives in base; kept importable here
 
 
 def _check_messages(comm, messages, what: str) -> tuple:

@@ -62,6 +62,26 @@ class MPIRequest(Request):
         return done
 
 
+class _Group(Request):
+    """Several mpi4py requests completed by one Waitall; holds their buffers until then."""
+
+    def __init__(self, requests: list, buffers: list):
+        self._requests = requests
+        self._buffers = buffers
+
+    def wait(self) -> None:
+        """Block until every operation completes."""
+        MPI.Request.Waitall(self._requests)
+        self._buffers = None
+
+    def test(self) -> bool:
+        """Return True if every operation has completed, without blocking."""
+        done = MPI.Request.Testall(self._requests)
+        if done:
+            self._buffers = None
+        return done
+
+
 class MPICommunicator(Communicator):
     """Communicator over an mpi4py intracommunicator; tensors must live on the CPU."""
 
@@ -144,6 +164,14 @@ class MPICommunicator(Communicator):
     def _irecv(self, tensor, source, tag):
         buf = _as_buffer(tensor)
         return MPIRequest(self.comm.Irecv(buf, source=source, tag=tag), buf)
+
+    def _p2p_group(self, sends, recvs, synchronous):
+        """One request over all the ops (Waitall/Testall); Issend when ``synchronous``."""
+        bufs = [_as_buffer(t) for t, _, _ in recvs] + [_as_buffer(t) for t, _, _ in sends]
+        post = self.comm.Issend if synchronous else self.comm.Isend
+        reqs = [self.comm.Irecv(b, source=s, tag=tag) for b, (_, s, tag) in zip(bufs, recvs)]
+        reqs += [post(b, dest=d, tag=tag) for b, (_, d, tag) in zip(bufs[len(recvs):], sends)]
+        return _Group(reqs, bufs)
 
     def _isend_boxes(self, tensor, boxes, dest, tag):
         buf = self._boxes_message(tensor, boxes)

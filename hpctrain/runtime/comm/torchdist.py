@@ -14,7 +14,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from .base import Communicator, NullCommunicator, Request
+from .base import AllRequests, Communicator, NullCommunicator, Request
 from .mpi import MPICommunicator
 
 __all__ = ["TorchDistCommunicator", "TorchDistRequest"]
@@ -154,6 +154,17 @@ class TorchDistCommunicator(Communicator):
     def _irecv(self, tensor, source, tag):
         work = dist.irecv(tensor, src=self._ranks[source], group=self.group, tag=tag)
         return TorchDistRequest(work, tensor, pollable=self.backend != "gloo")
+
+    def _p2p_group(self, sends, recvs, synchronous):
+        """NCCL: one batch_isend_irecv (an ncclGroup, so the ops cannot block each other);
+        gloo never blocks a send on its receive, so its ops go one by one."""
+        if self.backend != "nccl":
+            return super()._p2p_group(sends, recvs, synchronous)
+        ops = [dist.P2POp(dist.irecv, t, self._ranks[s], self.group, tag) for t, s, tag in recvs]
+        ops += [dist.P2POp(dist.isend, t, self._ranks[d], self.group, tag) for t, d, tag in sends]
+        works = dist.batch_isend_irecv(ops)  # one work per op, or one for the whole batch
+        keep = [op.tensor for op in ops]
+        return AllRequests([TorchDistRequest(w, keep) for w in works])
 
     def _split(self, color, key):
         # new_group needs the same rank list on every member: share (color, key, global rank).
