@@ -15,32 +15,37 @@ import time
 import torch
 from torch import nn
 
-__all__ = ["spin", "TimedLayer"]
+__all__ = ["spin_until", "TimedLayer"]
 
 
-def spin(seconds: float) -> None:
-    """Busy-wait ``seconds`` of wall-clock time (a sleep would free the core)."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+def spin_until(deadline: float) -> None:
+    """Busy-wait until time.perf_counter() reaches ``deadline`` (a sleep would free the core)."""
+    while time.perf_counter() < deadline:
         pass
 
 
 class _Timed(torch.autograd.Function):
-    """y = x * scale; forward spins ``seconds``, backward 2 * ``seconds`` (two products, as
-    a real layer's backward computes the input and the weight gradient)."""
+    """y = x * scale; forward takes ``seconds``, backward 2 * ``seconds`` (two products, as
+    a real layer's backward computes the input and the weight gradient). The arithmetic runs
+    first and the spin fills the rest of the time, so its cost (which does vary with the
+    core's speed) is inside the fixed time rather than added to it."""
 
     @staticmethod
     def forward(ctx, x, scale, seconds):
-        spin(seconds)
+        t0 = time.perf_counter()
         ctx.save_for_backward(x, scale)
         ctx.seconds = seconds
-        return x * scale
+        y = x * scale
+        spin_until(t0 + seconds)
+        return y
 
     @staticmethod
     def backward(ctx, grad):
+        t0 = time.perf_counter()
         x, scale = ctx.saved_tensors
-        spin(2 * ctx.seconds)
-        return grad * scale, (grad * x).reshape(-1, scale.numel()).sum(0), None
+        gx, gs = grad * scale, (grad * x).reshape(-1, scale.numel()).sum(0)
+        spin_until(t0 + 2 * ctx.seconds)
+        return gx, gs, None
 
 
 class TimedLayer(nn.Module):
