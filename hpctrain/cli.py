@@ -101,8 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--microbatches", type=_int_list, default=(4, 8, 16), help="values of m")
     bp.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b", help="comma-separated")
     bp.add_argument("--virtual-stages", type=int, default=2, help="chunks per rank (interleaved)")
-    bp.add_argument("--layers", type=int, default=16, help="identical Linear+GELU layers")
+    bp.add_argument("--layers", type=int, default=16, help="identical layers")
     bp.add_argument("--width", type=int, default=512, help="layer width")
+    bp.add_argument("--model", default="linear", help="linear: Linear+GELU layers; timed: "
+                    "layers that busy-wait --layer-ms (equal stages whatever each core's speed)")
+    bp.add_argument("--layer-ms", type=float, default=0.5, help="timed model: forward ms per "
+                    "layer (backward: twice that)")
     bp.add_argument("--micro-batch", type=int, default=128, help="samples per micro-batch")
     bp.add_argument("--steps", type=int, default=5, help="timed steps (median)")
     bp.add_argument("--warmup", type=int, default=2, help="untimed steps first")
@@ -264,7 +268,7 @@ def cmd_bench(args) -> int:
         return run_pipeline(args.pp, args.microbatches, tuple(args.schedules.split(",")),
                             args.virtual_stages, args.layers, args.width, args.micro_batch,
                             args.steps, args.warmup, not args.no_torch,
-                            tuple(args.wait.split(",")))
+                            tuple(args.wait.split(",")), args.model, args.layer_ms)
     from hpctrain.bench.checkpoint import run
 
     return run(args.mb, args.dir)

@@ -2,8 +2,19 @@
 
 Run under mpirun with at least max(--pp) ranks, e.g. ``mpirun -n 4 python -m hpctrain bench
 pipeline``. For each pipeline depth p the first p ranks form the pipeline (the rest sleep
-without spinning). The model is ``layers`` identical Linear+GELU layers, so a balanced
-split gives every stage the same work and the formula applies as written.
+without spinning). The model is ``layers`` identical layers, so a balanced split gives every
+stage the same work and the formula applies as written:
+
+- ``--model linear`` (default): Linear+GELU layers, real compute.
+- ``--model timed``: layers that busy-wait a fixed wall-clock time (``--layer-ms`` forward,
+  twice that backward) on real (micro-batch, width) tensors with a per-feature trainable
+  scale (hpctrain/bench/timed_layer.py). Equal FLOPs do not make equal stages when the
+  host's vCPUs drift in speed independently (+-20% over seconds on a shared VM): the
+  linear model's bubble then mostly measures that imbalance. Timed stages are equal by
+  construction, so the measured bubble isolates what the implementation adds: p2p
+  messages (same sizes as the linear model's), Python bookkeeping and wake-ups all stay;
+  real compute-speed variation and memory effects (cache, bandwidth) are left out. The
+  wait spins rather than sleeps, so a core shared with another process still shows.
 
 Measured bubble of a stage = (its idle time) / (step span): idle is the time it is blocked
 waiting for a neighbour (timestamps around every blocking receive) plus the time from its
@@ -24,6 +35,7 @@ the p2p time of one activation, as in a real pipeline; tiny micro-batches measur
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import statistics
@@ -35,19 +47,36 @@ from torch import nn
 
 from hpctrain.parallel.pipeline import schedule as sched_
 
-__all__ = ["run", "bench_stack"]
+__all__ = ["run", "bench_stack", "MODELS"]
+
+MODELS = ("linear", "timed")
 
 
-def bench_stack(layers: int, width: int, seed: int = 0):
-    """A LayerStack of identical Linear+GELU layers (and the same model as nn.Sequential)."""
+def bench_stack(layers: int, width: int, seed: int = 0, model: str = "linear",
+                layer_ms: float = 0.5):
+    """A LayerStack of ``layers`` identical layers: Linear+GELU, or TimedLayers of
+    ``layer_ms`` forward (the same modules serve torch pipelining's nn.Sequential)."""
+    from hpctrain.bench.timed_layer import TimedLayer
     from hpctrain.models.layers import LayerStack, PipeLayer, seeded
+
+    def module():
+        if model == "timed":
+            return TimedLayer(width, layer_ms / 1e3)
+        return nn.Sequential(nn.Linear(width, width), nn.GELU())
 
     def layer(i):
         def build():
-            return seeded(seed, i, lambda: {str(i): nn.Sequential(nn.Linear(width, width), nn.GELU())})
+            return seeded(seed, i, lambda: {str(i): module()})
         return PipeLayer(str(i), build, lambda root, x, i=i: root.get_submodule(str(i))(x))
 
     return LayerStack([layer(i) for i in range(layers)])
+
+
+def _describe(model: str, layers: int, width: int, layer_ms: float) -> str:
+    if model == "timed":
+        return (f"{layers} x timed layer ({layer_ms:.2f} ms fwd / {2 * layer_ms:.2f} ms bwd, "
+                f"width {width})")
+    return f"{layers} x Linear({width})+GELU"
 
 
 def _sub_world(world, p):
@@ -70,13 +99,13 @@ def _idle_barrier(world) -> None:
         time.sleep(0.005)
 
 
-def _hpctrain(sub, schedule, p, m, v, layers, width, micro, steps, warmup, waits):
+def _hpctrain(sub, schedule, p, m, v, make_stack, width, micro, steps, warmup, waits):
     """Per wait policy: measured bubble and overhead per stage, median step time, and the
     breakdown (rank 0). The policies take turns step by step, so they share the load."""
     from hpctrain.parallel.pipeline import PipelineOptions, wrap
     from hpctrain.train.precision import Precision
 
-    stack = bench_stack(layers, width)
+    stack = make_stack()
     opts = PipelineOptions(mesh=f"pp={p},dp=1", schedule=schedule, microbatches=m,
                            virtual_stages=v)
     with contextlib.redirect_stdout(io.StringIO()):
@@ -145,7 +174,7 @@ def _mean(xs):
     return sum(xs) / len(xs)
 
 
-def _torch_pipelining(world, p, schedule, m, v, layers, width, micro, steps, warmup):
+def _torch_pipelining(world, p, schedule, m, v, make_stack, width, micro, steps, warmup):
     """Median step time of torch.distributed.pipelining on the same model (ranks < p)."""
     import torch.distributed as dist
     from torch.distributed import pipelining as tp
@@ -153,8 +182,8 @@ def _torch_pipelining(world, p, schedule, m, v, layers, width, micro, steps, war
     group = dist.new_group(list(range(p)))  # collective over the whole world
     if world.rank >= p:
         return None
-    stack = bench_stack(layers, width)
-    per = layers // (p * v)
+    stack = make_stack()
+    per = len(stack) // (p * v)
     stages = []
     for c in range(v):
         g = c * p + world.rank
@@ -189,7 +218,8 @@ def _torch_pipelining(world, p, schedule, m, v, layers, width, micro, steps, war
 
 def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"), v: int = 2,
         layers: int = 16, width: int = 512, micro: int = 128, steps: int = 5, warmup: int = 2,
-        torch_compare: bool = True, waits=("sleep",)) -> int:
+        torch_compare: bool = True, waits=("sleep",), model: str = "linear",
+        layer_ms: float = 0.5) -> int:
     """Measure and print the bubble table (and throughput vs torch pipelining) on rank 0."""
     from hpctrain.parallel.pipeline.p2p import WAITS
     from hpctrain.parallel.pipeline.schedule import bubble_formula
@@ -198,6 +228,11 @@ def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"
     bad = [w for w in waits if w not in WAITS]
     if bad:  # before any MPI work, same message on every rank
         raise SystemExit(f"bench pipeline: --wait {','.join(bad)} is not one of {', '.join(WAITS)}")
+    if model not in MODELS:
+        raise SystemExit(f"bench pipeline: --model {model} is not one of {', '.join(MODELS)}")
+    if model == "timed" and not layer_ms > 0:
+        raise SystemExit(f"bench pipeline: --layer-ms must be > 0, got {layer_ms}")
+    make_stack = functools.partial(bench_stack, layers, width, model=model, layer_ms=layer_ms)
     world = init_world(device="cpu")
     pp = [p for p in pp if p <= world.size]
     if not pp:
@@ -223,14 +258,14 @@ def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"
                     continue
                 res = {}
                 if sub is not None:
-                    res = _hpctrain(sub, schedule, p, m, vv, layers, width, micro, steps,
-                                    warmup, waits)
+                    res = _hpctrain(sub, schedule, p, m, vv, make_stack, width, micro,
+                                    steps, warmup, waits)
                 _idle_barrier(world)
                 tt = None
                 if torch_compare and not torch_err:
                     try:
-                        tt = _torch_pipelining(world, p, schedule, m, vv, layers, width, micro,
-                                               steps, warmup)
+                        tt = _torch_pipelining(world, p, schedule, m, vv, make_stack, width,
+                                               micro, steps, warmup)
                     except Exception as exc:
                         torch_err = f"{type(exc).__name__}: {exc}"
                 _idle_barrier(world)
@@ -241,8 +276,8 @@ def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"
         if sub is not None:
             sub.Free() if hasattr(sub, "Free") else None
     if world.rank == 0:
-        _print(rows, world.size, layers, width, micro, steps, warmup, v, load0, shared, latency,
-               waits)
+        _print(rows, world.size, _describe(model, layers, width, layer_ms), width, micro, steps,
+               warmup, v, load0, shared, latency, waits)
         if torch_compare and torch_err:
             print(f"torch.distributed.pipelining comparison did not run: {torch_err}")
     return 0
@@ -292,9 +327,9 @@ def _p2p_latency(world, numel: int, wait: str, reps: int = 50) -> float:
     return statistics.median(times) if times else 0.0
 
 
-def _print(rows, size, layers, width, micro, steps, warmup, v, load0, shared, latency,
+def _print(rows, size, model, width, micro, steps, warmup, v, load0, shared, latency,
            waits) -> None:
-    print(f"pipeline bench: {size} ranks, cpu, {layers} x Linear({width})+GELU, "
+    print(f"pipeline bench: {size} ranks, cpu, {model}, "
           f"micro-batch {micro}, median of {steps} steps after {warmup} warm-up, v={v}, "
           f"load average {load0:.2f} -> {os.getloadavg()[0]:.2f}")
     if shared:
@@ -307,7 +342,8 @@ def _print(rows, size, layers, width, micro, steps, warmup, v, load0, shared, la
               f"{least / max(latency, 1e-9):.0f}x that")
         if least < 20 * latency:  # messages are no longer a small fixed cost per step
             print("  warning: compute per micro-batch is within 20x of one message: the table "
-                  "measures latency more than the schedule (raise --micro-batch or --width)")
+                  "measures latency more than the schedule (raise --micro-batch or --width; "
+                  "timed model: --layer-ms)")
     print("  bubble = idle share of the step span. sim = bubble the schedule would have with "
           "free communication and\n  every stage at its measured median fwd/bwd time; excess "
           "over formula = imbal (sim - formula: unequal\n  stages) + jitter (every action at its "

@@ -1,26 +1,26 @@
 """`hpctrain bench pipeline` runs end to end at 2 ranks on a tiny model."""
 
-import pytest
+import time
 
+import pytest
+import torch
+
+from hpctrain.bench.timed_layer import TimedLayer
 from hpctrain.parallel.pipeline.schedule import bubble_formula
 from tests.mpirun import run_mpi
 
-pytestmark = pytest.mark.mpi
+BASE = ["-m", "hpctrain", "bench", "pipeline", "--pp", "2", "--microbatches", "2,4", "--steps",
+        "1", "--warmup", "1", "--layers", "4", "--width", "64", "--micro-batch", "8"]
+NAMES = ("gpipe", "1f1b", "interleaved-1f1b")
 
 
-def test_bench_pipeline_prints_bubble_table():
-    proc = run_mpi(2, ["-m", "hpctrain", "bench", "pipeline", "--pp", "2", "--microbatches", "2,4",
-                       "--steps", "1", "--warmup", "1", "--layers", "4", "--width", "64",
-                       "--micro-batch", "8", "--wait", "spin,sleep"], timeout=240)
-    out = proc.stdout
-    assert "pipeline bench: 2 ranks" in out and "load average" in out, out + proc.stderr
+def _rows(out: str, waits):
+    """The table's rows and the per-stage ms rows, checked against the columns' meanings."""
     assert "crosses a stage boundary in" in out, out
     main, _, compute = out.partition("compute per micro-batch, median ms")
-    names = ("gpipe", "1f1b", "interleaved-1f1b")
-    rows = [ln.split() for ln in main.splitlines() if ln.strip().split(" ")[0] in names]
-    # gpipe and 1f1b at m=2,4; interleaved (v=2) at m=2,4: 6 rows.
-    # both wait policies side by side
-    want = sorted((s, m, w) for s in names for m in (2, 4) for w in ("spin", "sleep"))
+    rows = [ln.split() for ln in main.splitlines() if ln.strip().split(" ")[0] in NAMES]
+    # gpipe, 1f1b and interleaved (v=2) at m=2,4, once per wait policy
+    want = sorted((s, m, w) for s in NAMES for m in (2, 4) for w in waits)
     assert sorted((r[0], int(r[2]), r[4]) for r in rows) == want, out
     for r in rows:
         p, m, v = int(r[1]), int(r[2]), int(r[3])
@@ -36,13 +36,57 @@ def test_bench_pipeline_prints_bubble_table():
         assert imbal + jitter + comm == pytest.approx(mean - formula, abs=3e-3), r
         assert 0.0 <= over < 1.0 and ours > 0  # samples/s
     # measured forward/backward ms of every stage (p*v of them) for each row
-    cells = [ln.split() for ln in compute.splitlines() if ln.strip().split(" ")[0] in names]
+    cells = [ln.split() for ln in compute.splitlines() if ln.strip().split(" ")[0] in NAMES]
     assert sorted((c[0], int(c[2]), c[4]) for c in cells) == want, out
     for c in cells:
         times = [float(t) for cell in c[5:] for t in cell.split("/")]
         assert len(times) == 2 * int(c[1]) * int(c[3]) and all(t > 0 for t in times), c
+    return rows, cells
+
+
+@pytest.mark.mpi
+def test_bench_pipeline_prints_bubble_table():
+    proc = run_mpi(2, BASE + ["--wait", "spin,sleep"], timeout=240)
+    out = proc.stdout
+    assert "pipeline bench: 2 ranks" in out and "load average" in out, out + proc.stderr
+    assert "4 x Linear(64)+GELU" in out, out
+    rows, _ = _rows(out, ("spin", "sleep"))
     bad = run_mpi(2, ["-m", "hpctrain", "bench", "pipeline", "--wait", "busy"], timeout=60,
                   check=False)  # a bad policy: one clear error, before any MPI work
     assert bad.returncode != 0 and "--wait busy is not one of spin, yield, sleep" in bad.stderr
     # torch pipelining either ran (numbers in the last columns) or the reason is printed.
     assert all(r[-1] != "-" for r in rows) or "comparison did not run:" in out, out
+
+
+@pytest.mark.mpi
+def test_bench_pipeline_timed_model():
+    proc = run_mpi(2, BASE + ["--model", "timed", "--layer-ms", "0.2", "--no-torch"],
+                   timeout=240)
+    out = proc.stdout
+    assert "4 x timed layer (0.20 ms fwd / 0.40 ms bwd" in out, out + proc.stderr
+    _, cells = _rows(out, ("sleep",))
+    for c in cells:  # each stage (chunk) runs 4/(p*v) layers: at least their set time
+        per = 4 // (int(c[1]) * int(c[3]))
+        for cell in c[5:]:
+            fwd, bwd = map(float, cell.split("/"))
+            assert fwd >= 0.2 * per and bwd >= 0.4 * per, c
+    bad = run_mpi(2, ["-m", "hpctrain", "bench", "pipeline", "--model", "conv"], timeout=60,
+                  check=False)  # one clear error, before any MPI work
+    assert bad.returncode != 0 and "--model conv is not one of linear, timed" in bad.stderr
+
+
+def test_timed_layer_takes_its_time_and_computes_x_times_scale():
+    layer = TimedLayer(6, 0.004)
+    with torch.no_grad():
+        layer.scale.mul_(torch.arange(1.0, 7.0))
+    x = torch.randn(3, 6, requires_grad=True)
+    g = torch.randn(3, 6)
+    t0 = time.perf_counter()
+    y = layer(x)
+    t1 = time.perf_counter()
+    y.backward(g)
+    t2 = time.perf_counter()
+    assert t1 - t0 >= 0.004 and t2 - t1 >= 0.008
+    assert torch.equal(y, x.detach() * layer.scale.detach())
+    assert torch.allclose(x.grad, g * layer.scale.detach())
+    assert torch.allclose(layer.scale.grad, (g * x.detach()).sum(0))
