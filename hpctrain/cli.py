@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "layers that busy-wait --layer-ms (equal stages whatever each core's speed)")
     bp.add_argument("--layer-ms", type=float, default=0.5, help="timed model: forward ms per "
                     "layer (backward: twice that)")
+    bp.add_argument("--p2p", default="eager", help="eager (non-blocking sends, the CPU default) "
+                    "or ordered (NCCL's grouped order, with synchronous MPI sends)")
     bp.add_argument("--micro-batch", type=int, default=128, help="samples per micro-batch")
     bp.add_argument("--steps", type=int, default=5, help="timed steps (median)")
     bp.add_argument("--warmup", type=int, default=2, help="untimed steps first")
@@ -268,7 +270,7 @@ def cmd_bench(args) -> int:
         return run_pipeline(args.pp, args.microbatches, tuple(args.schedules.split(",")),
                             args.virtual_stages, args.layers, args.width, args.micro_batch,
                             args.steps, args.warmup, not args.no_torch,
-                            tuple(args.wait.split(",")), args.model, args.layer_ms)
+                            tuple(args.wait.split(",")), args.model, args.layer_ms, args.p2p)
     from hpctrain.bench.checkpoint import run
 
     return run(args.mb, args.dir)

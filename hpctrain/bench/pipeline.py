@@ -99,7 +99,8 @@ def _idle_barrier(world) -> None:
         time.sleep(0.005)
 
 
-def _hpctrain(sub, schedule, p, m, v, make_stack, width, micro, steps, warmup, waits):
+def _hpctrain(sub, schedule, p, m, v, make_stack, width, micro, steps, warmup, waits,
+              p2p="eager"):
     """Per wait policy: measured bubble and overhead per stage, median step time, and the
     breakdown (rank 0). The policies take turns step by step, so they share the load."""
     from hpctrain.parallel.pipeline import PipelineOptions, wrap
@@ -107,7 +108,7 @@ def _hpctrain(sub, schedule, p, m, v, make_stack, width, micro, steps, warmup, w
 
     stack = make_stack()
     opts = PipelineOptions(mesh=f"pp={p},dp=1", schedule=schedule, microbatches=m,
-                           virtual_stages=v)
+                           virtual_stages=v, p2p=p2p)
     with contextlib.redirect_stdout(io.StringIO()):
         par = wrap(stack, lambda ps: torch.optim.SGD(ps, lr=1e-4), sub, opts)
     prec = Precision("fp32", torch.device("cpu"))
@@ -219,7 +220,7 @@ def _torch_pipelining(world, p, schedule, m, v, make_stack, width, micro, steps,
 def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"), v: int = 2,
         layers: int = 16, width: int = 512, micro: int = 128, steps: int = 5, warmup: int = 2,
         torch_compare: bool = True, waits=("sleep",), model: str = "linear",
-        layer_ms: float = 0.5) -> int:
+        layer_ms: float = 0.5, p2p: str = "eager") -> int:
     """Measure and print the bubble table (and throughput vs torch pipelining) on rank 0."""
     from hpctrain.parallel.pipeline.p2p import WAITS
     from hpctrain.parallel.pipeline.schedule import bubble_formula
@@ -230,6 +231,8 @@ def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"
         raise SystemExit(f"bench pipeline: --wait {','.join(bad)} is not one of {', '.join(WAITS)}")
     if model not in MODELS:
         raise SystemExit(f"bench pipeline: --model {model} is not one of {', '.join(MODELS)}")
+    if p2p not in ("eager", "ordered"):
+        raise SystemExit(f"bench pipeline: --p2p {p2p} is not one of eager, ordered")
     if model == "timed" and not layer_ms > 0:
         raise SystemExit(f"bench pipeline: --layer-ms must be > 0, got {layer_ms}")
     make_stack = functools.partial(bench_stack, layers, width, model=model, layer_ms=layer_ms)
@@ -259,7 +262,7 @@ def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"
                 res = {}
                 if sub is not None:
                     res = _hpctrain(sub, schedule, p, m, vv, make_stack, width, micro,
-                                    steps, warmup, waits)
+                                    steps, warmup, waits, p2p)
                 _idle_barrier(world)
                 tt = None
                 if torch_compare and not torch_err:
@@ -276,7 +279,8 @@ def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"
         if sub is not None:
             sub.Free() if hasattr(sub, "Free") else None
     if world.rank == 0:
-        _print(rows, world.size, _describe(model, layers, width, layer_ms), width, micro, steps,
+        _print(rows, world.size, f"{_describe(model, layers, width, layer_ms)}, p2p {p2p}",
+               width, micro, steps,
                warmup, v, load0, shared, latency, waits)
         if torch_compare and torch_err:
             print(f"torch.distributed.pipelining comparison did not run: {torch_err}")

@@ -60,10 +60,12 @@ def test_bench_pipeline_prints_bubble_table():
 
 @pytest.mark.mpi
 def test_bench_pipeline_timed_model():
-    proc = run_mpi(2, BASE + ["--model", "timed", "--layer-ms", "0.2", "--no-torch"],
-                   timeout=240)
+    # with the ordered (NCCL) issue order: grouped messages, synchronous MPI sends
+    proc = run_mpi(2, BASE + ["--model", "timed", "--layer-ms", "0.2", "--no-torch",
+                              "--p2p", "ordered"], timeout=240)
     out = proc.stdout
     assert "4 x timed layer (0.20 ms fwd / 0.40 ms bwd" in out, out + proc.stderr
+    assert "p2p ordered" in out, out
     _, cells = _rows(out, ("sleep",))
     for c in cells:  # each stage (chunk) runs 4/(p*v) layers: at least their set time
         per = 4 // (int(c[1]) * int(c[3]))
