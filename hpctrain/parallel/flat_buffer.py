@@ -153,6 +153,20 @@ class FlatUnit:
             s.param.grad = view.view(s.shape)
         self.shard.grad = grad_buf[self.lo:self.hi]
 
+    def reduce_grad_buffer(self, grad_buf: torch.Tensor, comm) -> None:
+        """Persistent gradients: reduce-scatter (SUM over ``comm``) the flat gradient buffer
+        into this rank's shard of it, the shard's .grad (collective over ``comm``)."""
+        self.point_grads(grad_buf)  # after a zero_grad(): back at the buffer
+        tmp = comm.reduce_scatter(grad_buf, op="sum")
+        grad_buf[self.lo:self.hi].copy_(tmp)
+
+    def add_shard_grad(self, part: torch.Tensor) -> None:
+        """Accumulate ``part`` into the shard's .grad (set it when there is none)."""
+        if self.shard.grad is None:
+            self.shard.grad = part
+        else:
+            self.shard.grad.add_(part)
+
     def grad_range(self, lo: int, hi: int, out: torch.Tensor, grads: list) -> torch.Tensor:
         """Copy flat elements [lo, hi) of the packed gradient into out (missing grads and
         padding as zeros) without packing the whole unit; grads[j]: slot j's flat grad or None."""

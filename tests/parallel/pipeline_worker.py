@@ -22,17 +22,24 @@ def make_config(case: dict) -> Config:
     return cfg
 
 
-def main() -> None:
+def run_cases(instrument=None) -> None:
+    """Train every case of CASES_JSON; rank 0 writes {name: summary} to OUT_JSON.
+    ``instrument(case, trainer, world)`` (optional) runs before fit() and returns None or a
+    function that adds fields to the case's record afterwards."""
     cases = json.loads(open(sys.argv[1]).read())
     world = init_world()
     out = {}
     for case in cases:
         cfg = make_config(case)
         cfg.validate(world.size)
-        built = build_model(cfg, world.size)
-        s = Trainer(cfg, world=world, built=built).fit()
-        out[case["name"]] = {k: s[k] for k in ("losses", "param_norm", "buffer_norm", "world_size",
-                                                "strategy")}
+        trainer = Trainer(cfg, world=world, built=build_model(cfg, world.size))
+        finish = instrument(case, trainer, world) if instrument else None
+        s = trainer.fit()
+        rec = {k: s[k] for k in ("losses", "param_norm", "buffer_norm", "world_size",
+                                 "strategy")}
+        if finish is not None:
+            finish(rec)
+        out[case["name"]] = rec
         world.host.barrier()
     if world.rank == 0:
         with open(sys.argv[2], "w") as fh:
@@ -40,4 +47,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cases()

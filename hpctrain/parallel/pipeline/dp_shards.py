@@ -127,19 +127,14 @@ class DPShards:
         u = st.unit
         part, transient = reduce_scatter_grads(u, self.dp)
         self._peak_transient = max(self._peak_transient, transient)
-        if u.shard.grad is None:
-            u.shard.grad = part
-        else:
-            u.shard.grad.add_(part)
+        u.add_shard_grad(part)
 
     def _sync(self) -> None:
         """Make every shard gradient final: reduce what is left over dp, sum tied copies."""
         for st in self.units:
             u = st.unit
             if self.mode == "zero1":
-                u.point_grads(st.grad_buf)  # after a zero_grad(): back at the buffer
-                tmp = self.dp.reduce_scatter(st.grad_buf, op="sum")
-                st.grad_buf[u.lo:u.hi].copy_(tmp)
+                u.reduce_grad_buffer(st.grad_buf, self.dp)
             else:
                 if not st.reduced:
                     self._reduce(st)

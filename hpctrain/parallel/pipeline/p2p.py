@@ -79,7 +79,10 @@ class StageLinks:
         return (msg.dst_stage() if sending else msg.src_stage()) % self.p
 
     def _tag(self, msg: Msg) -> int:
-        return 0 if self.ordered else 3 * msg.boundary + _KIND_TAG[msg.kind]
+        return self._tag_of(msg.kind, msg.boundary)
+
+    def _tag_of(self, kind: str, boundary: int) -> int:
+        return 0 if self.ordered else 3 * boundary + _KIND_TAG[kind]
 
     def _complete(self, req) -> None:
         """Wait for ``req`` the way this rank waits (WAITS), counting the time as idle."""
@@ -102,8 +105,7 @@ class StageLinks:
             if msg.kind == "act":
                 header = self._check_shape(msg, t)
                 if header is not None:
-                    ops.append((header, self._peer(msg, True), self._tag(Msg("hdr", msg.boundary,
-                                                                             msg.mb))))
+                    ops.append((header, self._peer(msg, True), self._tag_of("hdr", msg.boundary)))
             dest = self._peer(msg, True)
             if dest == self.comm.rank:
                 self._local[msg] = t.clone()
@@ -164,11 +166,11 @@ class StageLinks:
             for msg, src in remote:
                 if (msg, src) in new:
                     self._read_header(msg, self._recv(self._header_buffer(), src,
-                                                      self._tag(Msg("hdr", msg.boundary, msg.mb))))
+                                                      self._tag_of("hdr", msg.boundary)))
                 got[msg] = self._recv(self._buffer(msg), src, self._tag(msg))
             return got
         if new:
-            heads = [(self._header_buffer(), s, self._tag(Msg("hdr", m.boundary, m.mb)))
+            heads = [(self._header_buffer(), s, self._tag_of("hdr", m.boundary))
                      for m, s in new]
             self._complete(self.comm.p2p_group(ops, heads, synchronous=True))
             for (m, _), (h, _, _) in zip(new, heads):

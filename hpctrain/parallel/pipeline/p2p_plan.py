@@ -106,10 +106,7 @@ def plan(actions: list[Action], rank: int, p: int, v: int, ordered: bool) -> lis
     for k, unit in enumerate(units):
         first = steps[unit[0]]
         first.pre_recvs = [steps[i].recv for i in unit if steps[i].recv is not None]
-        if first.pre_recvs:
-            first.pre_sends, deferred = deferred, []
-        elif deferred:   # nothing to receive: the waiting sends go now, on their own
-            first.pre_sends, deferred = deferred, []
+        first.pre_sends, deferred = deferred, []  # with the unit's receives, if it has any
         deferred += [steps[i].send for i in unit if steps[i].send is not None]
         later = units[k + 1] if k + 1 < len(units) else []
         if deferred and not any(steps[i].recv is not None for i in later):

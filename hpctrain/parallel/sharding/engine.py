@@ -134,10 +134,7 @@ class ShardedModel(Parallelized):
             self.replicate.allreduce(part, op="sum")
         if part.dtype != u.shard.dtype or part.device != u.shard.device:
             part = part.to(u.shard.device, u.shard.dtype)  # fp32 master / host shard
-        if u.shard.grad is None:
-            u.shard.grad = part
-        else:
-            u.shard.grad.add_(part)
+        u.add_shard_grad(part)
 
     def _sync_grads(self) -> None:
         # Reduce what the hooks did not: persistent gradients always, other units with a
@@ -147,9 +144,7 @@ class ShardedModel(Parallelized):
         for st in self._states:
             u = st.unit
             if self.plan.persistent_grads:
-                u.point_grads(st.grad_buf)  # after a zero_grad(): back at the buffer
-                tmp = self.comm.reduce_scatter(st.grad_buf, op="sum")
-                st.grad_buf[u.lo:u.hi].copy_(tmp)
+                u.reduce_grad_buffer(st.grad_buf, self.comm)
                 continue
             if not st.reduced:
                 self._reduce(st)
