@@ -150,11 +150,13 @@ def _hpctrain(sub, schedule, p, m, v, make_stack, width, micro, steps, warmup, w
 def _breakdown(traces, schedule, p, m, v):
     """Per-stage median forward/backward seconds per micro-batch, and the bubble the schedule
     would have with free communication: with every stage at its median times (what unequal
-    stages alone cost) and with every action at its measured time (adds their jitter)."""
+    stages alone cost) and with every action at its measured time (adds their jitter);
+    ``hop(latency)`` adds a message time to the latter."""
     acts = sched_.build(schedule, p, m, v)
-    stage_f, stage_b, sim_stage, sim_actual = [], [], [], []
+    stage_f, stage_b, sim_stage, sim_actual, durs = [], [], [], [], []
     for tr in traces:
         dur = {("B" if b else "F", int(mb), int(g)): e - s for b, mb, g, s, e in tr.tolist()}
+        durs.append(dur)
         fwd = [statistics.median(d for (op, _, gg), d in dur.items() if op == "F" and gg == g)
                for g in range(p * v)]
         bwd = [statistics.median(d for (op, _, gg), d in dur.items() if op == "B" and gg == g)
@@ -168,7 +170,10 @@ def _breakdown(traces, schedule, p, m, v):
     med = statistics.median
     return {"fwd": [med(s[g] for s in stage_f) for g in range(p * v)],
             "bwd": [med(s[g] for s in stage_b) for g in range(p * v)],
-            "sim_stage": med(sim_stage), "sim_actual": med(sim_actual)}
+            "sim_stage": med(sim_stage), "sim_actual": med(sim_actual),
+            "hop": lambda latency: med(_mean(sched_.simulate(
+                acts, v, cost=lambda op, mb, g: d[(op, mb, g)], latency=latency)["bubble"])
+                for d in durs)}
 
 
 def _mean(xs):
@@ -278,10 +283,14 @@ def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"
                                  sum(r[2]) / len(r[2]), r[3]))
         if sub is not None:
             sub.Free() if hasattr(sub, "Free") else None
+    # The message time right after a stage's compute, which is what the schedule sees.
+    least = min((min(r[-1]["fwd"]) for r in rows), default=0.0)
+    least = world.host.allreduce_scalars([least], op="max")[0]
+    hop = _p2p_latency(world, micro * width, waits[-1], busy=least)
     if world.rank == 0:
         _print(rows, world.size, f"{_describe(model, layers, width, layer_ms)}, p2p {p2p}",
                width, micro, steps,
-               warmup, v, load0, shared, latency, waits)
+               warmup, v, load0, shared, (latency, hop), waits)
         if torch_compare and torch_err:
             print(f"torch.distributed.pipelining comparison did not run: {torch_err}")
     return 0
@@ -303,10 +312,17 @@ def _shared_cores(world) -> str:
     return ""
 
 
-def _p2p_latency(world, numel: int, wait: str, reps: int = 50) -> float:
+def _p2p_latency(world, numel: int, wait: str, reps: int = 50, busy: float = 0.0) -> float:
     """One-way time of one activation between ranks 0 and 1 (ping-pong median, seconds),
-    received the way the engine receives (``wait`` policy)."""
+    received the way the engine receives (``wait`` policy). ``busy`` > 0: each side computes
+    (spins) that long before it sends, as a stage does; on a shared or virtualised host the
+    first operations after a long compute run slower than back to back, so this is the
+    message time a pipeline actually pays."""
+    from hpctrain.bench.timed_layer import spin_until
     from hpctrain.runtime.comm.idle import wait_idle
+
+    if busy > 0:
+        reps = max(5, min(reps, int(1.0 / busy)))  # about a second of spinning at most
 
     buf = torch.zeros(numel)
     peer = 1 - world.rank
@@ -321,12 +337,14 @@ def _p2p_latency(world, numel: int, wait: str, reps: int = 50) -> float:
     for _ in range(reps if world.rank < 2 else 0):
         t0 = time.perf_counter()
         if world.rank == 0:
+            spin_until(t0 + busy)
             world.host.send(buf, 1, 7)
             recv()
         else:
             recv()
+            spin_until(time.perf_counter() + busy)
             world.host.send(buf, 0, 7)
-        times.append((time.perf_counter() - t0) / 2)
+        times.append((time.perf_counter() - t0) / 2 - busy)
     _idle_barrier(world)
     return statistics.median(times) if times else 0.0
 
@@ -338,12 +356,14 @@ def _print(rows, size, model, width, micro, steps, warmup, v, load0, shared, lat
           f"load average {load0:.2f} -> {os.getloadavg()[0]:.2f}")
     if shared:
         print(f"  warning: {shared}; a busy neighbour slows the stages and the bubble grows")
+    latency, hop = latency
     if rows:
         least = min(min(bd["fwd"]) for *_, bd in rows)
         print(f"  one activation ({micro}x{width} fp32, {micro * width * 4 // 1024} KiB) crosses a "
-              f"stage boundary in {latency * 1e6:.0f} us (ping-pong, wait {waits[-1]}); the "
-              f"shortest stage compute per micro-batch is {least * 1e3:.2f} ms = "
-              f"{least / max(latency, 1e-9):.0f}x that")
+              f"stage boundary in {latency * 1e6:.0f} us back to back (ping-pong, wait "
+              f"{waits[-1]}),\n  in {hop * 1e6:.0f} us when sent right after a compute of "
+              f"{least * 1e3:.2f} ms (the shortest stage compute per micro-batch = "
+              f"{least / max(latency, 1e-9):.0f}x the former)")
         if least < 20 * latency:  # messages are no longer a small fixed cost per step
             print("  warning: compute per micro-batch is within 20x of one message: the table "
                   "measures latency more than the schedule (raise --micro-batch or --width; "
@@ -351,22 +371,23 @@ def _print(rows, size, model, width, micro, steps, warmup, v, load0, shared, lat
     print("  bubble = idle share of the step span. sim = bubble the schedule would have with "
           "free communication and\n  every stage at its measured median fwd/bwd time; excess "
           "over formula = imbal (sim - formula: unequal\n  stages) + jitter (every action at its "
-          "own measured time) + comm (the rest: messages, latency, wake-ups); /sim = measured\n"
-          "  bubble over sim: what the implementation adds to the schedule run at the stages' "
-          "actual speeds")
+          "own measured time) + hop (every message taking the after-compute\n  time above) + "
+          "comm (the rest: Python between actions, wake-ups, late sends); /sim = measured bubble "
+          "over\n  sim: what the implementation adds to the schedule run at the stages' actual "
+          "speeds")
     print(f"  {'schedule':<17}{'p':>2}{'m':>4}{'v':>3} {'wait':<6}"
           f"{'bubble per stage (measured)':<30}"
-          f"{'mean':>7}{'formula':>9}{'ratio':>7}{'sim':>7}{'/sim':>6}{'imbal':>7}{'jitter':>7}{'comm':>7}"
+          f"{'mean':>7}{'formula':>9}{'ratio':>7}{'sim':>7}{'/sim':>6}{'imbal':>7}{'jitter':>7}{'hop':>7}{'comm':>7}"
           f"{'overhead':>9}{'samples/s':>11}{'torch':>9}{'ours/torch':>11}")
     for sched, p, m, vv, wait, per, formula, ours, theirs, over, bd in rows:
         mean = sum(per) / len(per)
         stages = " ".join(f"{b:.3f}" for b in per)
         t = f"{theirs:9.0f}{ours / theirs:11.2f}" if theirs else f"{'-':>9}{'-':>11}"
-        sim, act = bd["sim_stage"], bd["sim_actual"]
+        sim, act, with_hop = bd["sim_stage"], bd["sim_actual"], bd["hop"](hop)
         print(f"  {sched:<17}{p:>2}{m:>4}{vv:>3} {wait:<6}{stages:<30}{mean:7.3f}{formula:9.3f}"
               f"{mean / formula:7.2f}{sim:7.3f}{mean / max(sim, 1e-9):6.2f}{sim - formula:+7.3f}"
-              f"{act - sim:+7.3f}"
-              f"{mean - act:+7.3f}{over:9.3f}{ours:11.0f}{t}")
+              f"{act - sim:+7.3f}{with_hop - act:+7.3f}"
+              f"{mean - with_hop:+7.3f}{over:9.3f}{ours:11.0f}{t}")
     print("  compute per micro-batch, median ms forward/backward of each stage (last: with loss):")
     for sched, p, m, vv, wait, *_, bd in rows:
         cells = " ".join(f"{f * 1e3:.2f}/{b * 1e3:.2f}" for f, b in zip(bd["fwd"], bd["bwd"]))

@@ -17,6 +17,7 @@ NAMES = ("gpipe", "1f1b", "interleaved-1f1b")
 def _rows(out: str, waits):
     """The table's rows and the per-stage ms rows, checked against the columns' meanings."""
     assert "crosses a stage boundary in" in out, out
+    assert "when sent right after a compute of" in out, out
     main, _, compute = out.partition("compute per micro-batch, median ms")
     rows = [ln.split() for ln in main.splitlines() if ln.strip().split(" ")[0] in NAMES]
     # gpipe, 1f1b and interleaved (v=2) at m=2,4, once per wait policy
@@ -25,15 +26,17 @@ def _rows(out: str, waits):
     for r in rows:
         p, m, v = int(r[1]), int(r[2]), int(r[3])
         stages = [float(x) for x in r[5:5 + p]]
-        mean, formula, ratio, sim, vs_sim, imbal, jitter, comm, over, ours = map(
-            float, r[5 + p:15 + p])
+        mean, formula, ratio, sim, vs_sim, imbal, jitter, hop, comm, over, ours = map(
+            float, r[5 + p:16 + p])
         assert all(0.0 <= b < 1.0 for b in stages), r
         assert formula == pytest.approx(bubble_formula(p, m, v), abs=5e-4), r
         assert ratio == pytest.approx(mean / formula, abs=0.02), r
         assert 0.0 <= sim < 1.0 and imbal == pytest.approx(sim - formula, abs=2e-3), r
         assert vs_sim == pytest.approx(mean / sim, abs=0.02) if sim > 0.01 else vs_sim >= 0, r
-        # the three parts add up to the excess of the measured bubble over the formula
-        assert imbal + jitter + comm == pytest.approx(mean - formula, abs=3e-3), r
+        # the four parts add up to the excess of the measured bubble over the formula; a
+        # message time can only lengthen the simulated schedule
+        assert imbal + jitter + hop + comm == pytest.approx(mean - formula, abs=3e-3), r
+        assert hop >= 0.0, r
         assert 0.0 <= over < 1.0 and ours > 0  # samples/s
     # measured forward/backward ms of every stage (p*v of them) for each row
     cells = [ln.split() for ln in compute.splitlines() if ln.strip().split(" ")[0] in NAMES]

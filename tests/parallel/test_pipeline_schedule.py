@@ -148,3 +148,14 @@ def test_stage_chain_computes_the_whole_forward():
     # Tied: the head stage holds its own copy of the embedding, equal at init.
     assert not any(p is roots[1].head.weight for p in roots[0].parameters())
     assert torch.equal(roots[1].head.weight, roots[0].tok_emb.weight)
+
+
+def test_simulate_latency_delays_only_messages_between_ranks():
+    # GPipe p=2: the first activation and the last gradient cross the boundary on the
+    # critical path, every other message arrives while its receiver is still busy.
+    acts, L = sched.build("gpipe", 2, 6), 0.25
+    free = sched.simulate(acts, 1, 1.0, 2.0)["makespan"]
+    assert sched.simulate(acts, 1, 1.0, 2.0, latency=L)["makespan"] == pytest.approx(free + 2 * L)
+    # One rank holds every stage: nothing crosses a rank, so latency changes nothing.
+    one = sched.build("interleaved-1f1b", 1, 4, 2)
+    assert sched.simulate(one, 2, latency=L) == sched.simulate(one, 2)

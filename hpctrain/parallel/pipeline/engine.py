@@ -57,7 +57,7 @@ class Engine:
         live: dict = {}   # (mb, chunk) -> (input, output or scaled loss)
         inbox: dict = {}  # Msg -> received tensor, until its action runs
         outbox: dict = {} # Msg -> tensor to send, until its group is posted
-        loss_sum = 0.0
+        losses = []       # (loss, weight) of each micro-batch, read once at the end
         for i, st in enumerate(self._steps(actions)):
             a, g = st.action, st.stage
             if st.pre_sends or st.pre_recvs:
@@ -74,7 +74,8 @@ class Engine:
                     if g == self.S - 1:
                         loss = loss_fn(out, y)
                 if g == self.S - 1:
-                    loss_sum += float(loss.detach()) * w
+                    # float() here would stall the host on a GPU every micro-batch
+                    losses.append((loss.detach(), w))
                     out = precision.scale(loss * w)
                 else:
                     outbox[st.send] = out.detach()
@@ -100,4 +101,7 @@ class Engine:
                                f"a backward, or messages {sorted(map(str, [*inbox, *outbox]))} "
                                "unused; the schedule is incomplete")
         self.links.wait_all()
+        loss_sum = 0.0
+        for loss, w in losses:  # the order and arithmetic of a running sum, as before
+            loss_sum += float(loss) * w
         return loss_sum

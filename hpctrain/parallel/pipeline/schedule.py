@@ -102,14 +102,15 @@ def bubble_formula(p: int, m: int, v: int = 1) -> float:
 
 
 def simulate(schedules: list[list[Action]], v: int = 1, t_f: float = 1.0, t_b: float = 2.0,
-             cost=None):
+             cost=None, latency: float = 0.0):
     """Run the schedules on an ideal machine (no communication cost); return per-rank
     (busy, finish) times and the makespan. Raises ValueError if the schedules deadlock or a
     dependency is missing, so a schedule that passes here cannot hang over MPI.
 
     Every forward costs ``t_f`` and every backward ``t_b``, unless ``cost(op, mb, stage)``
     is given: then each action costs what it returns (the bench passes measured times, to
-    tell unequal stages apart from communication)."""
+    tell unequal stages apart from communication). ``latency``: a result produced on another
+    rank arrives that much after its producer finishes (a message's one-way time)."""
     p = len(schedules)
     S = p * v
     done: dict = {}      # (op, mb, stage) -> finish time
@@ -130,7 +131,8 @@ def simulate(schedules: list[list[Action]], v: int = 1, t_f: float = 1.0, t_b: f
                     deps = [("F", a.mb, g)] + ([("B", a.mb, g + 1)] if g < S - 1 else [])
                 if any(d not in done for d in deps):
                     break
-                start = max([free[r]] + [done[d] for d in deps])
+                start = max([free[r]] + [done[d] + (latency if d[2] % p != r else 0.0)
+                                         for d in deps])
                 dt = cost(a.op, a.mb, g) if cost else (t_f if a.op == "F" else t_b)
                 done[(a.op, a.mb, g)] = free[r] = start + dt
                 busy[r] += dt
