@@ -151,9 +151,10 @@ def _breakdown(traces, schedule, p, m, v):
     """Per-stage median forward/backward seconds per micro-batch, and the bubble the schedule
     would have with free communication: with every stage at its median times (what unequal
     stages alone cost) and with every action at its measured time (adds their jitter);
-    ``hop(latency)`` adds a message time to the latter."""
+    ``hop(latency)`` is the latter with every message taking ``latency``."""
     acts = sched_.build(schedule, p, m, v)
-    stage_f, stage_b, sim_stage, sim_actual, durs = [], [], [], [], []
+    med = statistics.median
+    stage_f, stage_b, sim_stage, durs = [], [], [], []
     for tr in traces:
         dur = {("B" if b else "F", int(mb), int(g)): e - s for b, mb, g, s, e in tr.tolist()}
         durs.append(dur)
@@ -165,15 +166,14 @@ def _breakdown(traces, schedule, p, m, v):
         stage_b.append(bwd)
         sim_stage.append(_mean(sched_.simulate(
             acts, v, cost=lambda op, mb, g: fwd[g] if op == "F" else bwd[g])["bubble"]))
-        sim_actual.append(_mean(sched_.simulate(
-            acts, v, cost=lambda op, mb, g: dur[(op, mb, g)])["bubble"]))
-    med = statistics.median
+
+    def actual(latency: float) -> float:
+        return med(_mean(sched_.simulate(acts, v, cost=lambda op, mb, g: d[(op, mb, g)],
+                                         latency=latency)["bubble"]) for d in durs)
+
     return {"fwd": [med(s[g] for s in stage_f) for g in range(p * v)],
             "bwd": [med(s[g] for s in stage_b) for g in range(p * v)],
-            "sim_stage": med(sim_stage), "sim_actual": med(sim_actual),
-            "hop": lambda latency: med(_mean(sched_.simulate(
-                acts, v, cost=lambda op, mb, g: d[(op, mb, g)], latency=latency)["bubble"])
-                for d in durs)}
+            "sim_stage": med(sim_stage), "sim_actual": actual(0.0), "hop": actual}
 
 
 def _mean(xs):
@@ -290,7 +290,7 @@ def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"
     if world.rank == 0:
         _print(rows, world.size, f"{_describe(model, layers, width, layer_ms)}, p2p {p2p}",
                width, micro, steps,
-               warmup, v, load0, shared, (latency, hop), waits)
+               warmup, v, load0, shared, latency, hop, waits)
         if torch_compare and torch_err:
             print(f"torch.distributed.pipelining comparison did not run: {torch_err}")
     return 0
@@ -349,14 +349,13 @@ def _p2p_latency(world, numel: int, wait: str, reps: int = 50, busy: float = 0.0
     return statistics.median(times) if times else 0.0
 
 
-def _print(rows, size, model, width, micro, steps, warmup, v, load0, shared, latency,
+def _print(rows, size, model, width, micro, steps, warmup, v, load0, shared, latency, hop,
            waits) -> None:
     print(f"pipeline bench: {size} ranks, cpu, {model}, "
           f"micro-batch {micro}, median of {steps} steps after {warmup} warm-up, v={v}, "
           f"load average {load0:.2f} -> {os.getloadavg()[0]:.2f}")
     if shared:
         print(f"  warning: {shared}; a busy neighbour slows the stages and the bubble grows")
-    latency, hop = latency
     if rows:
         least = min(min(bd["fwd"]) for *_, bd in rows)
         print(f"  one activation ({micro}x{width} fp32, {micro * width * 4 // 1024} KiB) crosses a "

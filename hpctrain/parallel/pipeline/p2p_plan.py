@@ -116,7 +116,7 @@ def plan(actions: list[Action], rank: int, p: int, v: int, ordered: bool) -> lis
 
 def _groups(steps: list[Step], headers: bool) -> list[list[tuple]]:
     """One rank's ordered-mode p2p groups: lists of ("send"|"recv", Msg), in issue order
-    (what ``StageLinks.exchange`` posts). With ``headers`` (a run's first step) a boundary's
+    (what ``StageLinks.post`` posts). With ``headers`` (a run's first step) a boundary's
     first activation is preceded by its shape header; the receiver takes the headers in the
     group and the data in a group of its own (it needs the shape to allocate the buffer)."""
     sent, got, out = set(), set(), []

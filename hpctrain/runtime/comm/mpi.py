@@ -11,7 +11,7 @@ from mpi4py import MPI
 
 from .base import Communicator, NullCommunicator, Request
 
-__all__ = ["MPICommunicator", "MPIRequest", "world"]
+__all__ = ["MPICommunicator", "MPIRequest", "MPIRequests", "world"]
 
 _MPI_TYPES = {
     torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE,
@@ -62,24 +62,24 @@ class MPIRequest(Request):
         return done
 
 
-class _Group(Request):
-    """Several mpi4py requests completed by one Waitall; holds their buffers until then."""
+class MPIRequests(Request):
+    """Several mpi4py requests completed together (one Waitall/Testall); ``keep`` holds
+    what they read or write (buffers, tensors) until then."""
 
-    def __init__(self, requests: list, buffers: list):
-        self._requests = requests
-        self._buffers = buffers
+    def __init__(self, requests: list, keep):
+        self._requests, self._keep, self._done = requests, keep, False
 
     def wait(self) -> None:
         """Block until every operation completes."""
-        MPI.Request.Waitall(self._requests)
-        self._buffers = None
+        if not self._done:
+            MPI.Request.Waitall(self._requests)
+            self._done, self._keep = True, None
 
     def test(self) -> bool:
         """Return True if every operation has completed, without blocking."""
-        done = MPI.Request.Testall(self._requests)
-        if done:
-            self._buffers = None
-        return done
+        if not self._done and MPI.Request.Testall(self._requests):
+            self._done, self._keep = True, None
+        return self._done
 
 
 class MPICommunicator(Communicator):
@@ -171,7 +171,7 @@ class MPICommunicator(Communicator):
         post = self.comm.Issend if synchronous else self.comm.Isend
         reqs = [self.comm.Irecv(b, source=s, tag=tag) for b, (_, s, tag) in zip(bufs, recvs)]
         reqs += [post(b, dest=d, tag=tag) for b, (_, d, tag) in zip(bufs[len(recvs):], sends)]
-        return _Group(reqs, bufs)
+        return MPIRequests(reqs, bufs)
 
     def _isend_boxes(self, tensor, boxes, dest, tag):
         buf = self._boxes_message(tensor, boxes)

@@ -11,33 +11,13 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from hpctrain.runtime.comm.base import Request
 from hpctrain.runtime.comm.exchange import BoxesExchange
-from hpctrain.runtime.comm.mpi import _boxes_type
+from hpctrain.runtime.comm.mpi import MPIRequests, _boxes_type
 
 __all__ = ["MPIBoxesExchange"]
 
 _LAYOUTS_KEPT = 16    # committed datatype sets per exchange and side
 _ADDRESSES_KEPT = 32  # persistent request sets per exchange
-
-
-class _Started(Request):
-    """A started set of persistent requests; holds the tensors until complete."""
-
-    def __init__(self, requests: list, keep: tuple):
-        self._requests, self._keep = requests, keep
-
-    def wait(self) -> None:
-        """Block until every message has completed."""
-        if self._keep is not None:
-            MPI.Request.Waitall(self._requests)
-            self._keep = None
-
-    def test(self) -> bool:
-        """Return True if every message has completed, without blocking."""
-        if self._keep is not None and MPI.Request.Testall(self._requests):
-            self._keep = None
-        return self._keep is None
 
 
 def _address(t) -> tuple | None:
@@ -78,7 +58,7 @@ class MPIBoxesExchange(BoxesExchange):
                 t.Free()
         self._types.clear()
 
-    def _start(self, recv_into, send_from) -> Request:
+    def _start(self, recv_into, send_from) -> MPIRequests:
         key = (_address(recv_into), _address(send_from))
         reqs = self._ready.get(key)
         if reqs is None:
@@ -98,4 +78,4 @@ class MPIBoxesExchange(BoxesExchange):
                          for (peer, tag, _), m in zip(self.sends, msgs)]
             self._ready[key] = reqs
         MPI.Prequest.Startall(reqs)
-        return _Started(reqs, (recv_into, send_from))
+        return MPIRequests(reqs, (recv_into, send_from))
