@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "layers that busy-wait --layer-ms (equal stages whatever each core's speed)")
     bp.add_argument("--layer-ms", type=float, default=0.5, help="timed model: forward ms per "
                     "layer (backward: twice that)")
+    bp.add_argument("--layer-sleep", action="store_true", help="timed model: layers sleep "
+                    "instead of spinning, as a stage computing on a GPU leaves its host core "
+                    "idle (more stages than cores can then run side by side)")
     bp.add_argument("--p2p", default="eager", help="eager (non-blocking sends, the CPU default) "
                     "or ordered (NCCL's grouped order, with synchronous MPI sends)")
     bp.add_argument("--micro-batch", type=int, default=128, help="samples per micro-batch")
@@ -270,7 +273,8 @@ def cmd_bench(args) -> int:
         return run_pipeline(args.pp, args.microbatches, tuple(args.schedules.split(",")),
                             args.virtual_stages, args.layers, args.width, args.micro_batch,
                             args.steps, args.warmup, not args.no_torch,
-                            tuple(args.wait.split(",")), args.model, args.layer_ms, args.p2p)
+                            tuple(args.wait.split(",")), args.model, args.layer_ms, args.p2p,
+                            args.layer_sleep)
     from hpctrain.bench.checkpoint import run
 
     return run(args.mb, args.dir)

@@ -11,10 +11,13 @@ stage the same work and the formula applies as written:
   scale (hpctrain/bench/timed_layer.py). Equal FLOPs do not make equal stages when the
   host's vCPUs drift in speed independently (+-20% over seconds on a shared VM): the
   linear model's bubble then mostly measures that imbalance. Timed stages are equal by
-  construction, so the measured bubble isolates what the implementation adds: p2p
-  messages (same sizes as the linear model's), Python bookkeeping and wake-ups all stay;
-  real compute-speed variation and memory effects (cache, bandwidth) are left out. The
-  wait spins rather than sleeps, so a core shared with another process still shows.
+  construction (the last layer and the loss share one layer's time, so the stage that
+  computes the loss is no longer), so the measured bubble isolates what the implementation
+  adds: p2p messages (same sizes as the linear model's), Python bookkeeping and wake-ups
+  all stay; real compute-speed variation and memory effects (cache, bandwidth) are left
+  out. The wait spins rather than sleeps, so a core shared with another process still
+  shows; ``--layer-sleep`` sleeps instead, as a GPU stage's host core idles, so p can
+  exceed the cores.
 
 Measured bubble of a stage = (its idle time) / (step span): idle is the time it is blocked
 waiting for a neighbour (timestamps around every blocking receive) plus the time from its
@@ -47,35 +50,42 @@ from torch import nn
 
 from hpctrain.parallel.pipeline import schedule as sched_
 
-__all__ = ["run", "bench_stack", "MODELS"]
+__all__ = ["run", "bench_model", "MODELS"]
 
 MODELS = ("linear", "timed")
 
 
-def bench_stack(layers: int, width: int, seed: int = 0, model: str = "linear",
-                layer_ms: float = 0.5):
-    """A LayerStack of ``layers`` identical layers: Linear+GELU, or TimedLayers of
-    ``layer_ms`` forward (the same modules serve torch pipelining's nn.Sequential)."""
-    from hpctrain.bench.timed_layer import TimedLayer
+def bench_model(layers: int, width: int, seed: int = 0, model: str = "linear",
+                layer_ms: float = 0.5, layer_sleep: bool = False):
+    """A LayerStack of ``layers`` identical layers, Linear+GELU or TimedLayers of ``layer_ms``
+    forward (sleeping rather than spinning with ``layer_sleep``), and its MSE loss (the same modules serve torch pipelining's nn.Sequential). The
+    timed model's last layer and loss share the layer's fixed time, so the last stage, which
+    alone computes the loss, is no longer than the others."""
+    from hpctrain.bench.timed_layer import TailClock, TimedLayer, timed_mse_loss
     from hpctrain.models.layers import LayerStack, PipeLayer, seeded
 
-    def module():
+    clock = TailClock(layer_sleep) if model == "timed" else None
+
+    def module(i):
         if model == "timed":
-            return TimedLayer(width, layer_ms / 1e3)
+            return TimedLayer(width, layer_ms / 1e3, clock if i == layers - 1 else None,
+                              layer_sleep)
         return nn.Sequential(nn.Linear(width, width), nn.GELU())
 
     def layer(i):
         def build():
-            return seeded(seed, i, lambda: {str(i): module()})
+            return seeded(seed, i, lambda: {str(i): module(i)})
         return PipeLayer(str(i), build, lambda root, x, i=i: root.get_submodule(str(i))(x))
 
-    return LayerStack([layer(i) for i in range(layers)])
+    loss = timed_mse_loss(clock, layer_ms / 1e3) if clock is not None else F.mse_loss
+    return LayerStack([layer(i) for i in range(layers)]), loss
 
 
-def _describe(model: str, layers: int, width: int, layer_ms: float) -> str:
+def _describe(model: str, layers: int, width: int, layer_ms: float, sleep: bool) -> str:
     if model == "timed":
         return (f"{layers} x timed layer ({layer_ms:.2f} ms fwd / {2 * layer_ms:.2f} ms bwd, "
-                f"width {width})")
+                f"width {width}, {'sleeping' if sleep else 'spinning'}; the last one's time "
+                f"includes the loss)")
     return f"{layers} x Linear({width})+GELU"
 
 
@@ -99,14 +109,14 @@ def _idle_barrier(world) -> None:
         time.sleep(0.005)
 
 
-def _hpctrain(sub, schedule, p, m, v, make_stack, width, micro, steps, warmup, waits,
+def _hpctrain(sub, schedule, p, m, v, make_model, width, micro, steps, warmup, waits,
               p2p="eager"):
     """Per wait policy: measured bubble and overhead per stage, median step time, and the
     breakdown (rank 0). The policies take turns step by step, so they share the load."""
     from hpctrain.parallel.pipeline import PipelineOptions, wrap
     from hpctrain.train.precision import Precision
 
-    stack = make_stack()
+    stack, loss = make_model()
     opts = PipelineOptions(mesh=f"pp={p},dp=1", schedule=schedule, microbatches=m,
                            virtual_stages=v, p2p=p2p)
     with contextlib.redirect_stdout(io.StringIO()):
@@ -122,7 +132,7 @@ def _hpctrain(sub, schedule, p, m, v, make_stack, width, micro, steps, warmup, w
         links.recv_wait = 0.0
         sub.host.barrier()
         t0 = time.perf_counter()
-        par.forward_backward([(x, y, 1.0)], F.mse_loss, prec)
+        par.forward_backward([(x, y, 1.0)], loss, prec)
         busy = sum(e - s for *_, s, e in par.engine.trace)
         end = par.engine.trace[-1][4] - t0
         span = sub.host.allreduce_scalars([end], op="max")[0]
@@ -180,7 +190,7 @@ def _mean(xs):
     return sum(xs) / len(xs)
 
 
-def _torch_pipelining(world, p, schedule, m, v, make_stack, width, micro, steps, warmup):
+def _torch_pipelining(world, p, schedule, m, v, make_model, width, micro, steps, warmup):
     """Median step time of torch.distributed.pipelining on the same model (ranks < p)."""
     import torch.distributed as dist
     from torch.distributed import pipelining as tp
@@ -188,14 +198,13 @@ def _torch_pipelining(world, p, schedule, m, v, make_stack, width, micro, steps,
     group = dist.new_group(list(range(p)))  # collective over the whole world
     if world.rank >= p:
         return None
-    stack = make_stack()
+    stack, loss = make_model()
     per = len(stack) // (p * v)
     stages = []
     for c in range(v):
         g = c * p + world.rank
         mod = nn.Sequential(*[stack.layers[i].build()[str(i)] for i in range(g * per, (g + 1) * per)])
         stages.append(tp.PipelineStage(mod, g, p * v, torch.device("cpu"), group=group))
-    loss = F.mse_loss
     if schedule == "gpipe":
         sch = tp.ScheduleGPipe(stages[0], m, loss_fn=loss)
     elif schedule == "1f1b":
@@ -225,7 +234,7 @@ def _torch_pipelining(world, p, schedule, m, v, make_stack, width, micro, steps,
 def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"), v: int = 2,
         layers: int = 16, width: int = 512, micro: int = 128, steps: int = 5, warmup: int = 2,
         torch_compare: bool = True, waits=("sleep",), model: str = "linear",
-        layer_ms: float = 0.5, p2p: str = "eager") -> int:
+        layer_ms: float = 0.5, p2p: str = "eager", layer_sleep: bool = False) -> int:
     """Measure and print the bubble table (and throughput vs torch pipelining) on rank 0."""
     from hpctrain.parallel.pipeline.p2p import WAITS
     from hpctrain.parallel.pipeline.schedule import bubble_formula
@@ -238,9 +247,12 @@ def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"
         raise SystemExit(f"bench pipeline: --model {model} is not one of {', '.join(MODELS)}")
     if p2p not in ("eager", "ordered"):
         raise SystemExit(f"bench pipeline: --p2p {p2p} is not one of eager, ordered")
+    if layer_sleep and model != "timed":
+        raise SystemExit("bench pipeline: --layer-sleep needs --model timed")
     if model == "timed" and not layer_ms > 0:
         raise SystemExit(f"bench pipeline: --layer-ms must be > 0, got {layer_ms}")
-    make_stack = functools.partial(bench_stack, layers, width, model=model, layer_ms=layer_ms)
+    make_model = functools.partial(bench_model, layers, width, model=model, layer_ms=layer_ms,
+                                   layer_sleep=layer_sleep)
     world = init_world(device="cpu")
     pp = [p for p in pp if p <= world.size]
     if not pp:
@@ -266,13 +278,13 @@ def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"
                     continue
                 res = {}
                 if sub is not None:
-                    res = _hpctrain(sub, schedule, p, m, vv, make_stack, width, micro,
+                    res = _hpctrain(sub, schedule, p, m, vv, make_model, width, micro,
                                     steps, warmup, waits, p2p)
                 _idle_barrier(world)
                 tt = None
                 if torch_compare and not torch_err:
                     try:
-                        tt = _torch_pipelining(world, p, schedule, m, vv, make_stack, width,
+                        tt = _torch_pipelining(world, p, schedule, m, vv, make_model, width,
                                                micro, steps, warmup)
                     except Exception as exc:
                         torch_err = f"{type(exc).__name__}: {exc}"
@@ -286,9 +298,11 @@ def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"
     # The message time right after a stage's compute, which is what the schedule sees.
     least = min((min(r[-1]["fwd"]) for r in rows), default=0.0)
     least = world.host.allreduce_scalars([least], op="max")[0]
-    hop = _p2p_latency(world, micro * width, waits[-1], busy=least)
+    hop = _p2p_latency(world, micro * width, waits[-1], busy=least,
+                       sleep=layer_sleep and model == "timed")
     if world.rank == 0:
-        _print(rows, world.size, f"{_describe(model, layers, width, layer_ms)}, p2p {p2p}",
+        _print(rows, world.size,
+               f"{_describe(model, layers, width, layer_ms, layer_sleep)}, p2p {p2p}",
                width, micro, steps,
                warmup, v, load0, shared, latency, hop, waits)
         if torch_compare and torch_err:
@@ -312,13 +326,14 @@ def _shared_cores(world) -> str:
     return ""
 
 
-def _p2p_latency(world, numel: int, wait: str, reps: int = 50, busy: float = 0.0) -> float:
+def _p2p_latency(world, numel: int, wait: str, reps: int = 50, busy: float = 0.0,
+                 sleep: bool = False) -> float:
     """One-way time of one activation between ranks 0 and 1 (ping-pong median, seconds),
     received the way the engine receives (``wait`` policy). ``busy`` > 0: each side computes
-    (spins) that long before it sends, as a stage does; on a shared or virtualised host the
+    (spins, or sleeps with ``sleep``) that long before it sends, as a stage does; on a shared or virtualised host the
     first operations after a long compute run slower than back to back, so this is the
     message time a pipeline actually pays."""
-    from hpctrain.bench.timed_layer import spin_until
+    from hpctrain.bench.timed_layer import wait_until
     from hpctrain.runtime.comm.idle import wait_idle
 
     if busy > 0:
@@ -337,12 +352,12 @@ def _p2p_latency(world, numel: int, wait: str, reps: int = 50, busy: float = 0.0
     for _ in range(reps if world.rank < 2 else 0):
         t0 = time.perf_counter()
         if world.rank == 0:
-            spin_until(t0 + busy)
+            wait_until(t0 + busy, sleep)
             world.host.send(buf, 1, 7)
             recv()
         else:
             recv()
-            spin_until(time.perf_counter() + busy)
+            wait_until(time.perf_counter() + busy, sleep)
             world.host.send(buf, 0, 7)
         times.append((time.perf_counter() - t0) / 2 - busy)
     _idle_barrier(world)

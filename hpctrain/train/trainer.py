@@ -64,7 +64,9 @@ class Trainer:
         options = strategy_options(cfg)
         if t.strategy == "pipeline" and cfg.pipeline.balance == "measured":
             n = t.global_batch_size // (t.grad_accum * cfg.pipeline.microbatches)
-            options.sample = collate(self.built.dataset, range(max(1, n)))[0].to(world.device)
+            x, y = collate(self.built.dataset, range(max(1, n)))
+            options.sample, options.sample_target = x.to(world.device), y.to(world.device)
+            options.loss_fn = self.built.loss_fn
         self.par = parallel.wrap(t.strategy, self.built.model, make_optimizer_factory(t), world,
                                  options)
         data_rank, data_ranks = self.par.data_shard(world)

@@ -5,7 +5,8 @@ import time
 import pytest
 import torch
 
-from hpctrain.bench.timed_layer import TimedLayer
+from hpctrain.bench import timed_layer
+from hpctrain.bench.timed_layer import TailClock, TimedLayer, timed_mse_loss, wait_until
 from hpctrain.parallel.pipeline.schedule import bubble_formula
 from tests.mpirun import run_mpi
 
@@ -63,11 +64,13 @@ def test_bench_pipeline_prints_bubble_table():
 
 @pytest.mark.mpi
 def test_bench_pipeline_timed_model():
-    # with the ordered (NCCL) issue order: grouped messages, synchronous MPI sends
+    # with the ordered (NCCL) issue order: grouped messages, synchronous MPI sends; layers
+    # that sleep, as a GPU stage's host does
     proc = run_mpi(2, BASE + ["--model", "timed", "--layer-ms", "0.2", "--no-torch",
-                              "--p2p", "ordered"], timeout=240)
+                              "--p2p", "ordered", "--layer-sleep"], timeout=240)
     out = proc.stdout
-    assert "4 x timed layer (0.20 ms fwd / 0.40 ms bwd" in out, out + proc.stderr
+    assert "4 x timed layer (0.20 ms fwd / 0.40 ms bwd, width 64, sleeping; the last one's " \
+           "time includes the loss)" in out, out + proc.stderr
     assert "p2p ordered" in out, out
     _, cells = _rows(out, ("sleep",))
     for c in cells:  # each stage (chunk) runs 4/(p*v) layers: at least their set time
@@ -78,6 +81,9 @@ def test_bench_pipeline_timed_model():
     bad = run_mpi(2, ["-m", "hpctrain", "bench", "pipeline", "--model", "conv"], timeout=60,
                   check=False)  # one clear error, before any MPI work
     assert bad.returncode != 0 and "--model conv is not one of linear, timed" in bad.stderr
+    bad = run_mpi(2, ["-m", "hpctrain", "bench", "pipeline", "--layer-sleep"], timeout=60,
+                  check=False)
+    assert bad.returncode != 0 and "--layer-sleep needs --model timed" in bad.stderr
 
 
 def test_timed_layer_takes_its_time_and_computes_x_times_scale():
@@ -95,3 +101,45 @@ def test_timed_layer_takes_its_time_and_computes_x_times_scale():
     assert torch.equal(y, x.detach() * layer.scale.detach())
     assert torch.allclose(x.grad, g * layer.scale.detach())
     assert torch.allclose(layer.scale.grad, (g * x.detach()).sum(0))
+
+
+def test_timed_layer_sleeping_takes_its_time():
+    layer = TimedLayer(6, 0.004, sleep=True)
+    x = torch.randn(3, 6, requires_grad=True)
+    t0 = time.perf_counter()
+    y = layer(x)
+    t1 = time.perf_counter()
+    y.sum().backward()
+    assert t1 - t0 >= 0.004 and time.perf_counter() - t1 >= 0.008
+    deadline = time.perf_counter() + 0.003
+    wait_until(deadline, sleep=True)
+    assert time.perf_counter() >= deadline
+
+
+def test_last_timed_layer_and_loss_share_the_layer_time(monkeypatch):
+    # Record every wait as (who, deadline); the clock is perf_counter, so compare deadlines
+    # with the start times the layer and the loss recorded.
+    waits = []
+    monkeypatch.setattr(timed_layer, "wait_until", lambda d, sleep=False: waits.append(d))
+    clock = TailClock()
+    tail, inner = TimedLayer(4, 0.5, tail=clock), TimedLayer(4, 0.5)
+    loss_fn = timed_mse_loss(clock, 0.5)
+    x, target = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4)
+    t0 = time.perf_counter()
+    out = tail(inner(x))
+    assert len(waits) == 1  # the inner layer waited; the tail layer left its time to the loss
+    start = clock.forward_start
+    assert t0 <= start <= time.perf_counter()
+    loss = loss_fn(out, target)
+    assert waits[1] == start + 0.5 and clock.forward_start is None
+    t1 = time.perf_counter()
+    loss.backward()
+    # backward: the tail layer waits 2 x its time from the start of the loss's backward, the
+    # inner layer from its own start
+    assert len(waits) == 4 and t1 + 1.0 <= waits[2] <= time.perf_counter() + 1.0
+    assert clock.backward_start is None and waits[3] >= waits[2]
+    # the arithmetic is the plain MSE of the plain layers
+    x2 = x.detach().clone().requires_grad_(True)
+    ref = torch.nn.functional.mse_loss(x2 * inner.scale.detach() * tail.scale.detach(), target)
+    ref.backward()
+    assert torch.allclose(loss.detach(), ref.detach()) and torch.allclose(x.grad, x2.grad)

@@ -35,11 +35,13 @@ def _cases(mesh):
                       "pipeline": {"schedule": sched, "microbatches": 4, "virtual_stages": 2},
                       "runtime": {"mesh": mesh}, "key": [model, opt, accum]})
     # Stages split by layer times measured on every rank: whatever split the (noisy) times
-    # give, all ranks must agree on it and training must still match single-process.
-    cases.append({"name": f"{mesh}-mlp-sgd-1f1b-measured",
-                  "train": {**_train("mlp", "sgd"), "strategy": "pipeline"},
-                  "pipeline": {"schedule": "1f1b", "microbatches": 4, "balance": "measured"},
-                  "runtime": {"mesh": mesh}, "key": ["mlp", "sgd", 1]})
+    # give, all ranks must agree on it and training must still match single-process. GPT's
+    # last layer (the tied head) is timed with its cross-entropy loss.
+    for model, opt in (("mlp", "sgd"), ("gpt", "adamw")):
+        cases.append({"name": f"{mesh}-{model}-{opt}-1f1b-measured",
+                      "train": {**_train(model, opt), "strategy": "pipeline"},
+                      "pipeline": {"schedule": "1f1b", "microbatches": 4, "balance": "measured"},
+                      "runtime": {"mesh": mesh}, "key": [model, opt, 1]})
     # The ordered issue order (what NCCL runs: grouped sends and receives matched by order
     # alone, tag 0) with synchronous MPI sends: a send completes only when its receive runs,
     # as on NCCL, so an order that would hang or pair the wrong messages there fails here.

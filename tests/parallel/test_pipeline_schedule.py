@@ -159,3 +159,29 @@ def test_simulate_latency_delays_only_messages_between_ranks():
     # One rank holds every stage: nothing crosses a rank, so latency changes nothing.
     one = sched.build("interleaved-1f1b", 1, 4, 2)
     assert sched.simulate(one, 2, latency=L) == sched.simulate(one, 2)
+
+
+def test_measured_balance_counts_the_loss_on_the_last_layer():
+    # Four cheap identical layers and a loss that costs 50 ms: timed with the loss, the last
+    # layer is the heaviest, so the last stage gets it alone; without it, an even split.
+    import time
+    from types import SimpleNamespace
+
+    from hpctrain.models.layers import from_sequential
+    from hpctrain.parallel.pipeline.strategy import PipelineOptions, _layer_costs
+
+    def slow_loss(out, target):
+        deadline = time.perf_counter() + 0.05
+        while time.perf_counter() < deadline:
+            pass
+        return torch.nn.functional.mse_loss(out, target)
+
+    stack = from_sequential(torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]))
+    one = SimpleNamespace(size=1, device=torch.device("cpu"))  # a pp / dp of one rank
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    opts = PipelineOptions(balance="measured", sample=x, sample_target=y, loss_fn=slow_loss)
+    costs = _layer_costs(stack, opts, one, one)[0]
+    assert costs[-1] >= 0.05 and max(costs[:-1]) < 0.02, costs
+    assert plan.balanced_split(costs, 2) == [0, 3]
+    plain = _layer_costs(stack, PipelineOptions(balance="measured", sample=x), one, one)[0]
+    assert max(plain) < 0.02, plain  # no loss in the last layer's time

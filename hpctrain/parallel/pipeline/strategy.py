@@ -34,6 +34,8 @@ class PipelineOptions:
     dp_sharding: str = "ddp"        # gradients over dp: ddp all-reduce, or zero1/zero2 shards
     p2p: str = "auto"               # issue order: eager (CPU), ordered (NCCL); auto by device
     sample: object = None           # one micro-batch input, for balance="measured"
+    sample_target: object = None    # its target and the loss: "measured" times the loss
+    loss_fn: object = None          # with the last layer, as the last stage runs it
 
     @property
     def chunks(self) -> int:
@@ -273,13 +275,16 @@ def _layer_costs(stack, opts: PipelineOptions, pp, dp):
     rank (one list per rank: the split gives a slower rank fewer layers). All ranks measure
     at once, as they compute in the steady state (one rank timing while the others wait in a
     collective would time it under their polling); replicas over dp keep their slowest time,
-    so every rank computes the same split."""
+    so every rank computes the same split. Given a sample target and the loss, the last layer
+    is timed with the loss on its output, since the last stage computes it: a costly loss
+    (a large vocabulary's cross-entropy) then leaves that stage fewer layers."""
     if opts.balance == "param-count":
         return [float(c) for c in stack.param_counts()]
     if opts.sample is None:
         raise ValueError("pipeline.balance = 'measured' needs a sample micro-batch")
     costs = torch.zeros(1, len(stack), dtype=torch.float64, device=pp.device)
-    x = opts.sample
+    x, target, loss_fn = opts.sample, opts.sample_target, opts.loss_fn
+    with_loss = loss_fn is not None and target is not None
     for i, layer in enumerate(stack.layers):
         root = stack.build([i]).to(x.device)
         times = []
@@ -287,7 +292,10 @@ def _layer_costs(stack, opts: PipelineOptions, pp, dp):
             inp = x.detach().requires_grad_(x.is_floating_point())
             t0 = time.perf_counter()
             out = layer.forward(root, inp)
-            out.float().sum().backward()
+            if with_loss and i == len(stack) - 1:
+                loss_fn(out, target).backward()
+            else:
+                out.float().sum().backward()
             times.append(time.perf_counter() - t0)
         costs[0, i] = sorted(times)[1]
         x = out.detach()
