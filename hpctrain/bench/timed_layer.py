@@ -51,7 +51,7 @@ class _Timed(torch.autograd.Function):
         y = x * scale
         if tail is None:
             wait_until(t0 + seconds, sleep)
-        else:  # the loss that follows spins to the end of this layer's time
+        else:  # the loss that follows waits out the rest of this layer's time
             tail.forward_start = t0
         return y
 
