@@ -58,9 +58,10 @@ MODELS = ("linear", "timed")
 def bench_model(layers: int, width: int, seed: int = 0, model: str = "linear",
                 layer_ms: float = 0.5, layer_sleep: bool = False):
     """A LayerStack of ``layers`` identical layers, Linear+GELU or TimedLayers of ``layer_ms``
-    forward (sleeping rather than spinning with ``layer_sleep``), and its MSE loss (the same modules serve torch pipelining's nn.Sequential). The
-    timed model's last layer and loss share the layer's fixed time, so the last stage, which
-    alone computes the loss, is no longer than the others."""
+    forward (sleeping rather than spinning with ``layer_sleep``), and its MSE loss (the same
+    modules serve torch pipelining's nn.Sequential). The timed model's last layer and loss
+    share the layer's fixed time, so the last stage, which alone computes the loss, is no
+    longer than the others."""
     from hpctrain.bench.timed_layer import TailClock, TimedLayer, timed_mse_loss
     from hpctrain.models.layers import LayerStack, PipeLayer, seeded
 
@@ -298,8 +299,7 @@ def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"
     # The message time right after a stage's compute, which is what the schedule sees.
     least = min((min(r[-1]["fwd"]) for r in rows), default=0.0)
     least = world.host.allreduce_scalars([least], op="max")[0]
-    hop = _p2p_latency(world, micro * width, waits[-1], busy=least,
-                       sleep=layer_sleep and model == "timed")
+    hop = _p2p_latency(world, micro * width, waits[-1], busy=least, sleep=layer_sleep)
     if world.rank == 0:
         _print(rows, world.size,
                f"{_describe(model, layers, width, layer_ms, layer_sleep)}, p2p {p2p}",
@@ -330,9 +330,9 @@ def _p2p_latency(world, numel: int, wait: str, reps: int = 50, busy: float = 0.0
                  sleep: bool = False) -> float:
     """One-way time of one activation between ranks 0 and 1 (ping-pong median, seconds),
     received the way the engine receives (``wait`` policy). ``busy`` > 0: each side computes
-    (spins, or sleeps with ``sleep``) that long before it sends, as a stage does; on a shared or virtualised host the
-    first operations after a long compute run slower than back to back, so this is the
-    message time a pipeline actually pays."""
+    (spins, or sleeps with ``sleep``) that long before it sends, as a stage does; on a shared
+    or virtualised host the first operations after a long compute run slower than back to
+    back, so this is the message time a pipeline actually pays."""
     from hpctrain.bench.timed_layer import wait_until
     from hpctrain.runtime.comm.idle import wait_idle
 

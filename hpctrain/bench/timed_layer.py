@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["spin_until", "wait_until", "TimedLayer", "TailClock", "timed_mse_loss"]
@@ -79,33 +80,28 @@ class TailClock:
         self.backward_start = None  # set by the loss's backward
 
 
-class _TimedMSE(torch.autograd.Function):
-    """mean((out - target)^2), finishing the forward time its TailClock's layer began; its
-    backward starts the clock of that layer's backward."""
+class _LossTail(torch.autograd.Function):
+    """Identity on a loss: its forward waits out the time its TailClock's layer began; its
+    backward, the first of the backward pass, starts the clock of that layer's backward."""
 
     @staticmethod
-    def forward(ctx, out, target, seconds, clock):
-        diff = out - target
-        ctx.save_for_backward(diff)
+    def forward(ctx, loss, seconds, clock):
         ctx.clock = clock
-        loss = diff.pow(2).mean()
         if clock.forward_start is not None:
             wait_until(clock.forward_start + seconds, clock.sleep)
             clock.forward_start = None
-        return loss
+        return loss.view_as(loss)
 
     @staticmethod
     def backward(ctx, grad):
-        clock = ctx.clock
-        clock.backward_start = time.perf_counter()
-        (diff,) = ctx.saved_tensors
-        return grad * diff * (2.0 / diff.numel()), None, None, None
+        ctx.clock.backward_start = time.perf_counter()
+        return grad, None, None
 
 
 def timed_mse_loss(clock: TailClock, seconds: float):
     """The MSE loss of a timed model whose last layer was built with ``tail=clock``."""
     def loss(out, target):
-        return _TimedMSE.apply(out, target, seconds, clock)
+        return _LossTail.apply(F.mse_loss(out, target), seconds, clock)
     return loss
 
 
