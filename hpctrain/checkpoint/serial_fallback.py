@@ -14,6 +14,7 @@ from hpctrain.checkpoint.hyperslab import flat_boxes
 from hpctrain.checkpoint.layout import Entry, block_elems, local_flat, numel, storage_dtype
 from hpctrain.checkpoint.writer import (agreed_spans, dataset_attrs, fault_hook, merge_crcs,
                                         set_attrs)
+from hpctrain.runtime.env import env_flag
 
 __all__ = ["write_serial", "parts_dir", "use_serial", "FORCE_ENV"]
 
@@ -24,7 +25,7 @@ _warned = False
 def use_serial(rank: int) -> bool:
     """True when h5py lacks MPI (or tests force it); rank 0 warns once per process."""
     global _warned
-    serial = os.environ.get(FORCE_ENV, "") not in ("", "0") or not h5py.get_config().mpi
+    serial = env_flag(FORCE_ENV) or not h5py.get_config().mpi
     if serial and rank == 0 and not _warned:
         _warned = True
         warnings.warn("hpctrain: h5py has no MPI support (or HPCTRAIN_CKPT_FORCE_SERIAL is set): "
