@@ -7,15 +7,15 @@ import os
 import sys
 
 from hpctrain import __version__
-from hpctrain.config import ConfigError, load_config, parse_assignment
+from hpctrain.config import BUILTIN_MODELS, STRATEGIES, ConfigError, load_config, parse_assignment
 
 __all__ = ["main", "build_parser"]
 
 # flag -> (section, key); the flags override the TOML file.
 TRAIN_FLAGS = {
-    "strategy": ("train", "strategy", str,
-                 "parallel strategy: single, ddp, zero1, zero2, zero3, fsdp, pipeline, domain"),
-    "model": ("train", "model", str, "built-in model (mlp, gpt) or package.module:factory"),
+    "strategy": ("train", "strategy", str, f"parallel strategy: {', '.join(STRATEGIES)}"),
+    "model": ("train", "model", str,
+              f"built-in model ({', '.join(BUILTIN_MODELS)}) or package.module:factory"),
     "steps": ("train", "steps", int, "optimizer steps"),
     "global_batch_size": ("train", "global_batch_size", int, "samples per step over all ranks"),
     "lr": ("train", "lr", float, "learning rate"),
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", metavar="WHAT", required=True)
     bc = bsub.add_parser("checkpoint", help="hpctrain vs torch.distributed.checkpoint vs dd")
-    bc.add_argument("--mb", type=int, default=400, help="model state size in MB")
+    bc.add_argument("--mb", type=_positive_int, default=400, help="model state size in MB")
     bc.add_argument("--dir", default="", help="directory on the disk to test (default: a temp dir)")
     bm = bsub.add_parser("memory", help="peak RSS per rank of each strategy vs the ZeRO formula "
                          "and torch FSDP2")
@@ -134,6 +134,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer")
+    return value
+
+
 def _int_list(text: str) -> tuple:
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
@@ -189,33 +199,28 @@ def _overrides(args) -> list[dict]:
     return out
 
 
-def _launch_rank_size() -> tuple[int, int]:
-    from hpctrain.runtime.launcher import detect_launcher
-
-    info = detect_launcher(os.environ)
-    return info.rank, info.size
-
-
 def _fail(rank: int, msg: str) -> int:
-    # Every rank fails identically; one copy of the message is enough.
-    if rank == 0:
-        print(f"hpctrain: error: {msg}", file=sys.stderr, flush=True)
-    else:
-        # The launcher tears the job down at the first non-zero exit; give rank 0's line
-        # time to reach it so the user sees why.
+    """Report an error every rank found before MPI started; exit code 2 on every rank.
+
+    Rank 0 prints the line. A launcher tears the job down at the first non-zero exit, so
+    the other ranks wait for that before exiting; if nothing tears them down (a launcher
+    that waits for every rank), they print the line themselves, so it is never lost.
+    """
+    if rank != 0:
         import time
 
-        time.sleep(1.0)
+        time.sleep(_FAIL_WAIT_S)
+    print(f"hpctrain: error: {msg}", file=sys.stderr, flush=True)
     return 2
 
 
-def cmd_train(args) -> int:
-    """Validate everything that needs no communication, then start MPI and train."""
-    try:
-        rank, size = _launch_rank_size()
-    except ValueError as exc:
-        print(f"hpctrain: error: {exc}", file=sys.stderr)
-        return 2
+_FAIL_WAIT_S = 10.0
+
+
+def _prepare(args, launch):
+    """Config, preflight checks and the model: everything before MPI. Returns (cfg, built)
+    or an exit code."""
+    rank, size = launch.rank, launch.size
     try:
         cfg = load_config(args.config, _overrides(args)).validate(size)
     except ConfigError as exc:
@@ -224,23 +229,63 @@ def cmd_train(args) -> int:
         if rank == 0:
             print(cfg.to_toml())
         return 0
-    from hpctrain.train.trainer import Trainer, build_model
+    from hpctrain.errors import UsageError
+    from hpctrain.train.preflight import check_dataset, preflight
+
+    try:
+        preflight(cfg, os.environ, launch)
+    except (ConfigError, UsageError) as exc:
+        return _fail(rank, str(exc))
+    from hpctrain.train.trainer import build_model
 
     try:
         built = build_model(cfg, size)  # imports a user's factory: fail here, before MPI starts
     except (ValueError, TypeError, ImportError) as exc:
         return _fail(rank, f"train.model = {cfg.train.model!r}: {exc}")
-    from hpctrain.checkpoint import CheckpointError
-    from hpctrain.train.preemption import PREEMPT_EXIT_CODE, Preempted
+    except OSError as exc:  # e.g. the data set file cannot be written
+        return _fail(rank, f"train.model = {cfg.train.model!r}: cannot build its data set: "
+                           f"{exc}; set HPCTRAIN_DATA_DIR to a writable directory")
+    try:
+        check_dataset(cfg, len(built.dataset))
+    except ConfigError as exc:
+        return _fail(rank, str(exc))
+    return cfg, built
+
+
+def cmd_train(args) -> int:
+    """Validate everything that needs no communication, then start MPI and train."""
+    from hpctrain.runtime.launcher import detect_launcher
+    from hpctrain.runtime.world import check_launch_size
 
     try:
-        Trainer(cfg, built=built).fit()
+        launch = detect_launcher(os.environ)
+        check_launch_size(launch)  # torchrun: no MPI world to join; every process says so
+    except ValueError as exc:
+        print(f"hpctrain: error: {exc}", file=sys.stderr)
+        return 2
+    prepared = _prepare(args, launch)
+    if isinstance(prepared, int):
+        return prepared
+    cfg, built = prepared
+    from hpctrain.checkpoint import CheckpointError
+    from hpctrain.errors import UsageError
+    from hpctrain.runtime.abort import fail_together
+    from hpctrain.runtime.world import init_world
+    from hpctrain.train.preemption import PREEMPT_EXIT_CODE, Preempted
+    from hpctrain.train.trainer import Trainer
+
+    try:
+        world = init_world(cfg.runtime.ranks_per_node, cfg.runtime.device)
+    except UsageError as exc:
+        # Processes MPI does not join (torchrun) are each alone: each one says it.
+        return fail_together(str(exc), code=2)
+    try:
+        Trainer(cfg, world=world, built=built).fit()
     except Preempted:
         return PREEMPT_EXIT_CODE  # checkpoint written; rerun (or the requeued job) resumes
-    except (CheckpointError, FileNotFoundError) as exc:
-        # Every rank agreed on the error before raising; each says so (no hang, no traceback).
-        print(f"hpctrain: error: rank {rank}: {exc}", file=sys.stderr, flush=True)
-        return 1
+    except (CheckpointError, UsageError) as exc:
+        # A sentence, not a traceback. If some rank did not raise too, the job is aborted.
+        return fail_together(str(exc))
     return 0
 
 

@@ -15,9 +15,12 @@ from typing import Any, Mapping
 __all__ = [
     "ConfigError", "TrainSection", "DDPSection", "ZeroSection", "FSDPSection", "PipelineSection",
     "DomainSection", "RuntimeSection", "CheckpointSection", "Config",
-    "load_config", "parse_assignment", "STRATEGIES", "OPTIMIZERS", "PRECISIONS",
+    "load_config", "parse_assignment", "STRATEGIES", "BUILTIN_MODELS", "STRATEGY_SECTIONS",
+    "OPTIMIZERS", "PRECISIONS",
 ]
 
+# models/registry.py BUILTIN: the same (kept here so `--help` and validation need no torch).
+BUILTIN_MODELS = ("gpt", "mlp", "unet")
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "pipeline", "domain")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 PIPELINE_BALANCE = ("param-count", "measured")
@@ -32,6 +35,14 @@ OPTIMIZERS = ("sgd", "adamw")
 PRECISIONS = ("fp32", "bf16", "fp16")
 PROGRESS = ("auto", "on", "off")
 DEVICES = ("auto", "cpu", "cuda")
+
+
+# The option tables each strategy reads; a changed value in any other one would be ignored.
+STRATEGY_SECTIONS = {
+    "single": (), "ddp": ("ddp",), "zero1": ("zero",), "zero2": ("zero",), "zero3": ("zero",),
+    "fsdp": ("fsdp",), "pipeline": ("pipeline",), "domain": ("domain",),
+}
+STRATEGY_TABLES = ("ddp", "zero", "fsdp", "pipeline", "domain")
 
 
 class ConfigError(ValueError):
@@ -49,7 +60,7 @@ def _f(default, help, *, choices=None, min=None, max=None, default_factory=None)
 class TrainSection:
     """[train]: what to train and how."""
 
-    model: str = _f("gpt", "built-in model (mlp, gpt) or package.module:factory")
+    model: str = _f("gpt", f"built-in model ({', '.join(BUILTIN_MODELS)}) or package.module:factory")
     strategy: str = _f("single", "parallel strategy", choices=STRATEGIES)
     steps: int = _f(200, "optimizer steps", min=1)
     global_batch_size: int = _f(32, "samples per optimizer step over all ranks", min=1)
@@ -162,6 +173,9 @@ class CheckpointSection:
     resume: str = _f("", "resume: '' (no), 'auto' (newest in dir, if any) or a ckpt file")
     requeue: str = _f("auto", "on SIGUSR1/SIGTERM checkpoint, then 'auto': scontrol requeue "
                       "the SLURM batch job; 'off': only exit with code 75", choices=("auto", "off"))
+    sigterm_grace_s: float = _f(0.0, "seconds from SIGTERM to SIGKILL; a save that cannot "
+                                "finish in them is not started (0: the launcher's: mpirun's "
+                                "odls_base_sigkill_timeout, SLURM 30, PBS 10)", min=0.0)
 
 
 @dataclass
@@ -183,6 +197,7 @@ class Config:
             for f in dataclasses.fields(section):
                 _check_field(f"{sname}.{f.name}", getattr(section, f.name), f)
         t = self.train
+        self._validate_tables_used()
         if t.strategy == "single" and world_size > 1:
             raise ConfigError(
                 f"train.strategy = 'single' but the launcher started {world_size} ranks; "
@@ -207,10 +222,31 @@ class Config:
             raise ConfigError(
                 f"checkpoint.every = {c.every} / checkpoint.resume = {c.resume!r} need a directory; "
                 f"pass --checkpoint-dir DIR")
+        rpn = self.runtime.ranks_per_node
+        if rpn and world_size % rpn:
+            raise ConfigError(f"runtime.ranks_per_node = {rpn}: the {world_size} ranks launched "
+                              f"are not divisible by it; launch a multiple of {rpn} ranks or "
+                              f"change --ranks-per-node")
         self._validate_mesh(world_size)
         if t.strategy == "fsdp":
             self._validate_fsdp(world_size)
         return self
+
+    def _validate_tables_used(self) -> None:
+        """Refuse a changed option of a table the strategy never reads (it would do nothing)."""
+        used = STRATEGY_SECTIONS[self.train.strategy]
+        for sname in STRATEGY_TABLES:
+            if sname in used:
+                continue
+            section, default = getattr(self, sname), type(getattr(self, sname))()
+            for f in dataclasses.fields(section):
+                value = getattr(section, f.name)
+                if value != getattr(default, f.name):
+                    users = [s for s, tables in STRATEGY_SECTIONS.items() if sname in tables]
+                    raise ConfigError(
+                        f"{sname}.{f.name} = {value!r} is set, but train.strategy = "
+                        f"{self.train.strategy!r} does not read [{sname}] (used by "
+                        f"{', '.join(users)}); drop the option or pick one of those strategies")
 
     def effective_mesh(self, world_size: int) -> str:
         """The mesh in use: runtime.mesh, or the strategy's default when it is empty."""
@@ -233,17 +269,13 @@ class Config:
         return 1 if layout is None else layout.dp
 
     def _validate_fsdp(self, world_size: int) -> None:
-        f, rpn = self.fsdp, self.runtime.ranks_per_node
+        f = self.fsdp
         if f.auto_wrap_policy == "class" and not f.wrap_classes.strip():
             raise ConfigError("fsdp.auto_wrap_policy = 'class' needs fsdp.wrap_classes, e.g. "
                               "--set fsdp.wrap_classes=GPTBlock")
         if f.auto_wrap_policy == "size" and f.min_params < 1:
             raise ConfigError(f"fsdp.auto_wrap_policy = 'size' needs fsdp.min_params >= 1, got "
                               f"{f.min_params}; e.g. --set fsdp.min_params=100000")
-        if f.sharding_strategy == "HYBRID_SHARD" and rpn and world_size % rpn:
-            raise ConfigError(f"fsdp.sharding_strategy = 'HYBRID_SHARD' with runtime.ranks_per_node"
-                              f" = {rpn} needs a world size divisible by it, got {world_size} "
-                              f"ranks; launch a multiple of {rpn} ranks")
 
     def _validate_mesh(self, world_size: int) -> None:
         from hpctrain.runtime.mesh import MeshLayout
@@ -369,7 +401,8 @@ def _check_field(key: str, value: Any, f: dataclasses.Field) -> None:
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{key} = {value!r}: expected a finite number")
     if meta.get("choices") and value not in meta["choices"]:
-        raise ConfigError(f"{key} = {value!r}: expected one of {', '.join(meta['choices'])}")
+        shown = ", ".join("'' (keep)" if c == "" else str(c) for c in meta["choices"])
+        raise ConfigError(f"{key} = {value!r}: expected one of {shown}")
     if meta.get("min") is not None and value < meta["min"]:
         raise ConfigError(f"{key} = {value!r}: must be >= {meta['min']}")
     if meta.get("max") is not None and value > meta["max"]:
@@ -390,20 +423,32 @@ def _apply(cfg: Config, data: Mapping[str, Any], origin: str) -> None:
             if key not in fields:
                 raise ConfigError(f"{origin}: unknown key {sname}.{key}; valid keys: "
                                   f"{', '.join(fields)}")
-            setattr(section, key, _coerce(f"{sname}.{key}", value, fields[key]))
+            value = _coerce(f"{sname}.{key}", value, fields[key])
+            if isinstance(value, dict):
+                # A table given later adds to (and overrides keys of) the earlier one.
+                value = {**getattr(section, key), **value}
+            setattr(section, key, value)
 
 
 def parse_assignment(text: str) -> dict[str, Any]:
-    """Parse 'section.key=value' (value in TOML syntax, bare words taken as strings)."""
+    """Parse 'section.key=value' (value in TOML syntax, bare words taken as strings).
+
+    A longer dotted name sets one entry of a table: 'train.model_options.layers=2'.
+    """
     if "=" not in text or "." not in text.split("=", 1)[0]:
         raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. ddp.fp16_compression=true")
     lhs, rhs = text.split("=", 1)
-    section, key = lhs.strip().split(".", 1)
+    parts = [p.strip() for p in lhs.split(".")]
+    if not all(parts):
+        raise ConfigError(f"--set {text!r}: empty name in {lhs.strip()!r}; expected "
+                          f"section.key=value or section.table.key=value")
     try:
         value = tomllib.loads(f"v = {rhs.strip()}")["v"]
     except tomllib.TOMLDecodeError:
         value = rhs.strip()  # a bare word such as adamw
-    return {section: {key: value}}
+    for name in reversed(parts[2:]):
+        value = {name: value}
+    return {parts[0]: {parts[1]: value}}
 
 
 def load_config(path: str | None = None, overrides: list[Mapping[str, Any]] = ()) -> Config:

@@ -130,6 +130,16 @@ def check_mpi(env: Mapping[str, str]) -> Check:
     mismatch = _world_mismatch("MPI", rank, size, env)
     if mismatch:
         return Check("mpi", False, f"{detail}; {mismatch}", MPI_MISMATCH_FIX)
+    info = _launch(env)
+    if info is not None:
+        from hpctrain.errors import UsageError
+        from hpctrain.runtime.world import check_launch_size
+
+        try:
+            check_launch_size(info, size)
+        except UsageError as exc:  # torchrun: N processes, each its own one-rank MPI world
+            message, _, fix = str(exc).partition(" Fix: ")
+            return Check("mpi", False, f"{detail}; {message}", fix or None)
     return Check("mpi", True, detail)
 
 

@@ -90,7 +90,8 @@ class JobSpec:
                     f.name == "ranks_per_node" and self.gpus_per_node):
                 continue
             if value != getattr(base, f.name) or (f.name == "gpus_per_node" and value):
-                out.append(f"--{f.name.replace('_', '-')} {value}")
+                flag = "queue" if f.name == "partition" and self.scheduler == "pbs" else f.name
+                out.append(f"--{flag.replace('_', '-')} {value}")
         if self.preemptible:
             out.append("--preemptible")
         return " ".join(out)

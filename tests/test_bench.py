@@ -35,3 +35,11 @@ def test_bench_rejects_unknown_strategy():
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "step", "--strategies", "zero4"])
+
+
+def test_bench_checkpoint_state_is_the_size_asked_for():
+    from hpctrain.bench.checkpoint import _model
+
+    for mb in (1, 8, 65, 200):
+        nbytes = sum(t.numel() * t.element_size() for t in _model(mb).state_dict().values())
+        assert mb * 2**20 * 0.99 <= nbytes <= mb * 2**20, (mb, nbytes)

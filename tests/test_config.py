@@ -85,3 +85,67 @@ def test_effective_mesh_defaults_follow_the_strategy():
     assert mesh("pipeline") == "pp=4"
     assert mesh("domain") == "dom=4"
     assert mesh("pipeline", "dp=2,pp=2") == "dp=2,pp=2"
+
+
+def test_dotted_set_and_later_tables_merge_into_the_toml_table(tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_text('[train]\nmodel = "mlp"\n[train.model_options]\nhidden = 5\nlayers = 3\n')
+    assert parse_assignment("train.model_options.layers=2") == \
+        {"train": {"model_options": {"layers": 2}}}
+    cfg = load_config(str(f), [parse_assignment("train.model_options.layers=2")])
+    assert cfg.train.model_options == {"hidden": 5, "layers": 2}
+    cfg = load_config(str(f), [parse_assignment("train.model_options={layers=1, depth=4}")])
+    assert cfg.train.model_options == {"hidden": 5, "layers": 1, "depth": 4}
+    with pytest.raises(ConfigError, match="empty name"):
+        parse_assignment("train..layers=2")
+    with pytest.raises(ConfigError, match="ddp.fp16_compression"):
+        load_config(None, [parse_assignment("ddp.fp16_compression.x=1")])
+
+
+@pytest.mark.parametrize("strategy, table, key, value", [
+    ("ddp", "fsdp", "sharding_strategy", "NO_SHARD"),
+    ("zero1", "ddp", "fp16_compression", True),
+    ("fsdp", "zero", "sync_batchnorm", False),
+    ("single", "pipeline", "microbatches", 8),
+    ("pipeline", "domain", "overlap", True),
+])
+def test_options_of_another_strategy_are_refused(strategy, table, key, value):
+    cfg = load_config(None, [{"train": {"strategy": strategy, "global_batch_size": 8},
+                              table: {key: value}}])
+    with pytest.raises(ConfigError) as err:
+        cfg.validate(1)
+    msg = str(err.value)
+    assert f"{table}.{key} = {value!r} is set" in msg and f"'{strategy}'" in msg
+
+
+def test_printed_config_of_one_strategy_loads_under_it(tmp_path):
+    # Every table is written out, all at their defaults but the strategy's own: no refusal.
+    cfg = load_config(None, [{"train": {"strategy": "fsdp", "global_batch_size": 8},
+                              "fsdp": {"sharding_strategy": "NO_SHARD"}}]).validate(2)
+    f = tmp_path / "c.toml"
+    f.write_text(cfg.to_toml())
+    load_config(str(f)).validate(2)
+    with pytest.raises(ConfigError, match="does not read \\[fsdp\\]"):
+        load_config(str(f), [{"train": {"strategy": "ddp"}}]).validate(2)
+
+
+def test_empty_choice_is_shown_readably():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [{"train": {"strategy": "fsdp"}, "fsdp": {"param_dtype": "fp8"}}]
+                    ).validate(1)
+    assert "expected one of '' (keep), fp32, bf16, fp16" in str(err.value)
+
+
+def test_ranks_per_node_must_divide_the_world():
+    cfg = load_config(None, [{"train": {"strategy": "ddp", "global_batch_size": 8},
+                              "runtime": {"ranks_per_node": 3}}])
+    with pytest.raises(ConfigError, match="not divisible by it"):
+        cfg.validate(2)
+    cfg.validate(3)
+
+
+def test_builtin_model_names_match_the_registry():
+    from hpctrain.config import BUILTIN_MODELS
+    from hpctrain.models.registry import BUILTIN
+
+    assert sorted(BUILTIN_MODELS) == sorted(BUILTIN)

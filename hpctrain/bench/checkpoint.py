@@ -18,10 +18,17 @@ __all__ = ["run"]
 
 
 def _model(mb: int) -> nn.Module:
-    # Square fp32 layers of ~64 MB each (the last one smaller): many large tensors.
-    side = 4096
-    per = side * side * 4
-    layers = [nn.Linear(side, side, bias=True) for _ in range(max(1, mb * 2**20 // per))]
+    """Square fp32 layers of up to 64 MB each, ``mb`` MB in all: many large tensors.
+
+    The last layer takes whatever is left, so the state is the size asked for, small too.
+    """
+    side, left, layers = 4096, mb * 2**20, []
+    while left >= 4 * 2 * 2:  # the smallest layer: 1x1 weight + bias
+        s = min(side, int(((left // 4) ** 0.5)))
+        while s * s + s > left // 4:  # weight and bias together fit what is left
+            s -= 1
+        layers.append(nn.Linear(s, s, bias=True))
+        left -= (s * s + s) * 4
     return nn.Sequential(*layers)
 
 

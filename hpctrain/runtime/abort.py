@@ -1,7 +1,15 @@
-"""Abort the whole MPI job when one rank fails, after its traceback is printed.
+"""End the whole MPI job when ranks fail, so no rank is left waiting in a collective.
 
 Without this an exception on one rank leaves the others blocked in a collective forever
-(the 3 a.m. page). Same approach as ``python -m mpi4py``: print first, then MPI_Abort.
+(the 3 a.m. page). Two paths:
+
+- a bug (any unexpected exception): print the rank, the step and the traceback, then
+  MPI_Abort, as ``python -m mpi4py`` does (``abort_on_exception``, ``install_excepthook``);
+- a user error with a clear sentence (bad device, data set too small, corrupt checkpoint):
+  ``fail_together`` waits briefly for the other ranks on a communicator used for nothing
+  else. If every rank reports an error, rank 0 prints each distinct sentence once and all
+  exit cleanly with the code; if some rank never comes (it is blocked elsewhere, or raised
+  nothing), this rank prints its sentence and aborts the job.
 """
 
 from __future__ import annotations
@@ -9,17 +17,31 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 import traceback
 
-__all__ = ["rank_label", "abort_on_exception", "report_and_abort"]
+__all__ = ["rank_label", "abort_on_exception", "report_and_abort", "install_excepthook",
+           "arm_agreement", "fail_together", "set_context", "FAIL_AGREE_TIMEOUT_S"]
+
+# How long ranks that raised the same error may lag each other before it counts as one rank's.
+FAIL_AGREE_TIMEOUT_S = 15.0
+
+_agree_comm = None      # mpi4py communicator duplicated at init, used only by fail_together
+_context: dict = {}     # what the job is doing, named in abort reports (e.g. {"step": 12})
+
+
+def _mpi():
+    """The mpi4py.MPI module if MPI is initialised and not finalised, else None."""
+    mod = sys.modules.get("mpi4py.MPI")
+    if mod is None or not mod.Is_initialized() or mod.Is_finalized():
+        return None
+    return mod
 
 
 def _mpi_world():
     """Return (rank, size) from MPI if it is initialised, else None (never initialises it)."""
-    mod = sys.modules.get("mpi4py.MPI")
-    if mod is None or not mod.Is_initialized() or mod.Is_finalized():
-        return None
-    return mod.COMM_WORLD.Get_rank(), mod.COMM_WORLD.Get_size()
+    mod = _mpi()
+    return None if mod is None else (mod.COMM_WORLD.Get_rank(), mod.COMM_WORLD.Get_size())
 
 
 def rank_label() -> str:
@@ -35,16 +57,35 @@ def rank_label() -> str:
     return f"rank {world[0]}/{world[1]} on {socket.gethostname()}"
 
 
-def report_and_abort(exc: BaseException, code: int = 1) -> None:
-    """Print the rank and traceback to stderr, then abort every rank of the job."""
-    msg = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    sys.stderr.write(f"[hpctrain {rank_label()}] unhandled {type(exc).__name__}: {exc}\n{msg}")
-    sys.stderr.flush()
+def set_context(**items) -> None:
+    """Record what this rank is doing (e.g. step=12); abort reports name it. None removes."""
+    for key, value in items.items():
+        if value is None:
+            _context.pop(key, None)
+        else:
+            _context[key] = value
+
+
+def _where() -> str:
+    return "".join(f" at {k} {v}" for k, v in _context.items())
+
+
+def _abort(code: int) -> None:
+    """MPI_Abort when other ranks exist, else a plain exit; never returns."""
     sys.stdout.flush()
-    world = _mpi_world()
-    if world is not None and world[1] > 1:
-        sys.modules["mpi4py.MPI"].COMM_WORLD.Abort(code)
+    sys.stderr.flush()
+    mod = _mpi()
+    if mod is not None and mod.COMM_WORLD.Get_size() > 1:
+        mod.COMM_WORLD.Abort(code)
     os._exit(code)
+
+
+def report_and_abort(exc: BaseException, code: int = 1) -> None:
+    """Print the rank, the step and the traceback to stderr, then abort every rank of the job."""
+    msg = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    sys.stderr.write(f"[hpctrain {rank_label()}{_where()}] unhandled {type(exc).__name__}: "
+                     f"{exc}\n{msg}")
+    _abort(code)
 
 
 def abort_on_exception(fn, *args, **kwargs):
@@ -59,3 +100,56 @@ def abort_on_exception(fn, *args, **kwargs):
         raise
     except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt must abort too
         report_and_abort(exc)
+
+
+def install_excepthook() -> None:
+    """Abort the job on any exception that reaches the top of a user's script (Python API)."""
+    if getattr(sys.excepthook, "_hpctrain", False):
+        return
+
+    def hook(exc_type, exc, tb):
+        if issubclass(exc_type, SystemExit):
+            return sys.__excepthook__(exc_type, exc, tb)
+        report_and_abort(exc.with_traceback(tb))
+
+    hook._hpctrain = True
+    sys.excepthook = hook
+
+
+def arm_agreement(mpi_comm) -> None:
+    """Give fail_together its own communicator (collective over mpi_comm; once per process)."""
+    global _agree_comm
+    if _agree_comm is None:
+        _agree_comm = mpi_comm.Dup()
+
+
+def fail_together(message: str, code: int = 1, timeout_s: float = FAIL_AGREE_TIMEOUT_S) -> int:
+    """Report a user error raised after MPI started; return code, or abort the job.
+
+    Call it on every rank that raised. When all ranks arrive within timeout_s, rank 0
+    prints each distinct message once (naming the ranks when they differ) and every rank
+    returns code. Otherwise this rank prints its message with its rank and aborts.
+    """
+    comm = _agree_comm
+    if comm is None or comm.Get_size() == 1:
+        print(f"hpctrain: error: {message}", file=sys.stderr, flush=True)
+        return code
+    request = comm.Ibarrier()
+    deadline = time.monotonic() + timeout_s
+    while not request.Test():
+        if time.monotonic() > deadline:
+            print(f"hpctrain: error: rank {comm.Get_rank()}{_where()}: {message} (the other "
+                  f"ranks did not stop with it; aborting the job)", file=sys.stderr, flush=True)
+            _abort(code)
+        time.sleep(0.01)
+    messages = comm.gather(message, root=0)
+    if comm.Get_rank() == 0:
+        ranks: dict[str, list[int]] = {}
+        for r, m in enumerate(messages):
+            ranks.setdefault(m, []).append(r)
+        for m, rs in ranks.items():
+            who = "" if len(ranks) == 1 else f"rank{'s' if len(rs) > 1 else ''} " \
+                f"{', '.join(map(str, rs))}: "
+            print(f"hpctrain: error: {who}{m}", file=sys.stderr, flush=True)
+    comm.Barrier()  # rank 0 has printed before any rank exits (a launcher may kill the rest)
+    return code

@@ -7,7 +7,10 @@ from typing import Mapping
 
 import torch
 
-__all__ = ["positive_int_env", "cpu_threads", "select_device", "bind_device", "available_cpus"]
+from hpctrain.errors import EnvError, UsageError
+
+__all__ = ["positive_int_env", "cpu_threads", "select_device", "bind_device", "available_cpus",
+           "cuda_count"]
 
 _NO_GPU_FIX = (
     "run on a GPU node and request GPUs from the scheduler (e.g. srun --gpus-per-task=1, "
@@ -25,9 +28,9 @@ def positive_int_env(env: Mapping[str, str], name: str) -> int | None:
     try:
         value = int(head)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a positive integer") from None
+        raise EnvError(f"{name}={raw!r} is not a positive integer; set one or unset it") from None
     if value < 1:
-        raise ValueError(f"{name}={raw!r} is not a positive integer")
+        raise EnvError(f"{name}={raw!r} is not a positive integer; set one or unset it")
     return value
 
 
@@ -54,24 +57,31 @@ def _visible_devices(env: Mapping[str, str]) -> list[str] | None:
     return [d.strip() for d in raw.split(",") if d.strip()]
 
 
-def select_device(local_rank: int, env: Mapping[str, str], cuda_device_count: int) -> str:
-    """Return ``"cuda:N"`` or ``"cpu"`` for this rank; HPCTRAIN_DEVICE=cpu|cuda forces one.
+def select_device(local_rank: int, env: Mapping[str, str], cuda_device_count: int,
+                  requested: str = "auto") -> str:
+    """Return ``"cuda:N"`` or ``"cpu"`` for this rank.
 
-    ``cuda_device_count`` is what torch sees, which already honours CUDA_VISIBLE_DEVICES;
-    ranks share GPUs round-robin by local rank.
+    ``requested`` (runtime.device / --device) wins over HPCTRAIN_DEVICE=cpu|cuda; "auto"
+    takes a GPU when one is visible. ``cuda_device_count`` is what torch sees, which already
+    honours CUDA_VISIBLE_DEVICES; ranks share GPUs round-robin by local rank.
     """
-    forced = (env.get("HPCTRAIN_DEVICE") or "").strip().lower()
+    source = f"runtime.device = {requested!r} (--device)"
+    forced = requested.strip().lower() if requested not in ("", "auto") else ""
+    if not forced:
+        forced = (env.get("HPCTRAIN_DEVICE") or "").strip().lower()
+        source = f"HPCTRAIN_DEVICE={env.get('HPCTRAIN_DEVICE')!r}"
+        if forced not in ("", "auto", "cpu", "cuda"):
+            raise EnvError(f"{source} is not one of cpu, cuda, auto; fix: set it to one of "
+                           "those or unset it")
     if forced not in ("", "auto", "cpu", "cuda"):
-        raise ValueError(f"HPCTRAIN_DEVICE={env['HPCTRAIN_DEVICE']!r} is not one of "
-                         "cpu, cuda, auto; fix: set it to one of those or unset it")
+        raise UsageError(f"{source} is not one of auto, cpu, cuda")
     if forced == "cpu":
         return "cpu"
     if cuda_device_count < 1:
         if forced == "cuda":
-            raise ValueError(
-                "HPCTRAIN_DEVICE=cuda but no CUDA device is visible "
-                f"(device count 0, CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')!r}); "
-                f"fix: {_NO_GPU_FIX}")
+            raise UsageError(
+                f"{source} but no CUDA device is visible (device count 0, "
+                f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')!r}); fix: {_NO_GPU_FIX}")
         return "cpu"
     if local_rank < 0:
         raise ValueError(f"local_rank={local_rank} must be >= 0")
@@ -91,12 +101,16 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def bind_device(local_rank: int, local_size: int, env: Mapping[str, str] | None = None
-                ) -> torch.device:
+def cuda_count() -> int:
+    """GPUs torch can use in this process (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def bind_device(local_rank: int, local_size: int, env: Mapping[str, str] | None = None,
+                requested: str = "auto") -> torch.device:
     """Make this rank's device current (GPU) or size its thread pool (CPU); return the device."""
     env = os.environ if env is None else env
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    name = select_device(local_rank, env, count)
+    name = select_device(local_rank, env, cuda_count(), requested)
     device = torch.device(name)
     if device.type == "cuda":
         torch.cuda.set_device(device)

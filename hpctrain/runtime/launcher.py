@@ -205,9 +205,11 @@ def _torchrun_id(env: Mapping[str, str]) -> str | None:
 
 def _in_slurm_step(env: Mapping[str, str]) -> bool:
     # srun sets SLURM_STEP_ID for every task; the batch script itself also has
-    # SLURM_PROCID=0 (and SLURM_NTASKS=N) but no step id, and is one process.
-    return _get(env, "SLURM_PROCID") is not None and \
-        _first(env, "SLURM_STEP_ID", "SLURM_STEPID") is not None
+    # SLURM_PROCID=0 (and SLURM_NTASKS=N) but no step id, and is one process. A task
+    # other than 0 is never the batch script, with or without a step id.
+    procid = _get(env, "SLURM_PROCID")
+    return procid is not None and (
+        _first(env, "SLURM_STEP_ID", "SLURM_STEPID") is not None or procid != "0")
 
 
 def detect_launcher(env: Mapping[str, str]) -> LaunchInfo:

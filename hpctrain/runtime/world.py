@@ -8,11 +8,13 @@ from typing import Mapping
 
 import torch
 
+from hpctrain.errors import UsageError
+from hpctrain.runtime.abort import arm_agreement, install_excepthook
 from hpctrain.runtime.comm import Communicator
 from hpctrain.runtime.device import bind_device, positive_int_env
 from hpctrain.runtime.launcher import LaunchInfo, detect_launcher
 
-__all__ = ["World", "init_world", "ranks_per_node_override"]
+__all__ = ["World", "init_world", "ranks_per_node_override", "check_launch_size"]
 
 _WORLD: "World | None" = None
 
@@ -86,11 +88,39 @@ def ranks_per_node_override(env: Mapping[str, str], configured: int = 0) -> int:
     return positive_int_env(env, "HPCTRAIN_RANKS_PER_NODE") or 0
 
 
+_LAUNCH_FIX = {
+    "torchrun": "launch with mpirun -n N or srun --mpi=pmix (hpctrain's ranks come from MPI, "
+                "not from torchrun's rendezvous)",
+    "slurm": "launch with srun --mpi=pmix (or the PMI plugin your MPI was built for; `srun "
+             "--mpi=list` shows them), or with mpirun inside the allocation",
+}
+
+
+def check_launch_size(launch: LaunchInfo, mpi_size: int | None = None) -> None:
+    """Refuse a launcher whose ranks MPI does not see (N separate one-rank trainings).
+
+    torchrun, or srun without a PMI plugin that MPI understands, starts N processes that each
+    initialise MPI alone: every one would train the whole model and write the same files.
+    Before MPI starts (``mpi_size`` None) only torchrun is known for sure to be such a launch.
+    """
+    if launch.size <= 1 or launch.size == mpi_size:
+        return
+    if mpi_size is None and launch.launcher != "torchrun":
+        return
+    seen = "no MPI launcher" if mpi_size is None else f"MPI sees {mpi_size} rank(s) in its world"
+    fix = _LAUNCH_FIX.get(launch.launcher, "launch with your MPI's own mpirun/mpiexec, or "
+                                           "with srun --mpi=pmix")
+    raise UsageError(f"the {launch.launcher} launcher started {launch.size} processes, but "
+                     f"{seen}: each process would train alone. Fix: {fix}")
+
+
 def init_world(ranks_per_node: int = 0, device: str = "auto", env: Mapping[str, str] | None = None) -> World:
     """Initialise MPI and build the world (collective over all ranks; idempotent per process).
 
     ranks_per_node > 0 pretends nodes of that many consecutive ranks, so multi-node layouts
-    (HYBRID_SHARD, cross-node groups) can be tested on one machine.
+    (HYBRID_SHARD, cross-node groups) can be tested on one machine. From here on an
+    exception that reaches the top of the script prints its rank and aborts every rank.
+    Raises UsageError when the launcher started processes that MPI does not see as one job.
     """
     global _WORLD
     if _WORLD is not None:
@@ -108,9 +138,13 @@ def init_world(ranks_per_node: int = 0, device: str = "auto", env: Mapping[str, 
 
     world_mpi = MPI.COMM_WORLD
     rank, size = world_mpi.Get_rank(), world_mpi.Get_size()
+    check_launch_size(launch, size)
+    arm_agreement(world_mpi)
+    install_excepthook()  # API scripts too: an exception on one rank ends the job, never hangs
     if per_node:
         if size % per_node:
-            raise ValueError(f"ranks_per_node={per_node} does not divide the world size {size}")
+            raise UsageError(f"ranks_per_node={per_node} does not divide the world size {size}; "
+                             f"launch a multiple of {per_node} ranks or change --ranks-per-node")
         node_mpi = world_mpi.Split(color=rank // per_node, key=rank)
     else:
         node_mpi = world_mpi.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
@@ -119,10 +153,7 @@ def init_world(ranks_per_node: int = 0, device: str = "auto", env: Mapping[str, 
     node = MPICommunicator(node_mpi)
     cross = MPICommunicator(cross_mpi)
 
-    local_env = dict(env)
-    if device != "auto":
-        local_env["HPCTRAIN_DEVICE"] = device
-    dev = bind_device(node.rank, node.size, local_env)
+    dev = bind_device(node.rank, node.size, env, requested=device)
     if dev.type == "cuda":
         from hpctrain.runtime.comm.torchdist import TorchDistCommunicator
 

@@ -12,18 +12,37 @@ __all__ = ["MetricsCSV", "peak_rss_mb", "write_summary"]
 
 
 class MetricsCSV:
-    """Append one row per step to out_dir/metrics.csv (rank 0 only; other ranks no-op)."""
+    """One row per step in out_dir/metrics.csv (rank 0 only; other ranks no-op).
+
+    A fresh run starts the file anew; a resumed run (``resume_step`` > 0) keeps the rows up
+    to the checkpoint's step and appends after them, so a pre-empted and resumed job has one
+    row per step, none twice.
+    """
 
     FIELDS = ("step", "loss", "lr", "units_per_s", "elapsed_s")
 
-    def __init__(self, out_dir: str, enabled: bool):
+    def __init__(self, out_dir: str, enabled: bool, resume_step: int = 0):
         self._fh = None
         if enabled and out_dir:
             os.makedirs(out_dir, exist_ok=True)
             self.path = os.path.join(out_dir, "metrics.csv")
+            kept = self._rows_up_to(resume_step) if resume_step > 0 else []
             self._fh = open(self.path, "w", newline="")
             self._writer = csv.writer(self._fh)
             self._writer.writerow(self.FIELDS)
+            self._writer.writerows(kept)
+            self._fh.flush()
+
+    def _rows_up_to(self, step: int) -> list[list[str]]:
+        """The existing rows of steps 1..step (a file of another layout is started anew)."""
+        try:
+            with open(self.path, newline="") as fh:
+                rows = list(csv.reader(fh))
+        except FileNotFoundError:
+            return []
+        if not rows or tuple(rows[0]) != self.FIELDS:
+            return []
+        return [r for r in rows[1:] if r and r[0].isdigit() and int(r[0]) <= step]
 
     def write(self, **row) -> None:
         if self._fh is not None:

@@ -10,8 +10,15 @@ checkpoint and calls ``finish()``, which under a SLURM batch job runs
 up the checkpoint) and raises ``Preempted``; ``python -m hpctrain`` turns that into exit
 code ``PREEMPT_EXIT_CODE`` on every rank.
 
-Exit code 75 (EX_TEMPFAIL, "temporary failure, try again") means: a checkpoint of the
-last completed step is on disk; run the same command with ``--resume auto`` to continue.
+SIGTERM comes with a deadline: SIGKILL follows after the launcher's grace period (Open
+MPI's mpirun: ``odls_base_sigkill_timeout``, 1 s by default; SLURM: KillWait, 30 s by
+default; PBS: kill_delay, 10 s by default). A save that cannot finish in what is left is
+not started (a killed save would only leave a partial file); with a grace too short for
+even the current step, the rank exits 75 from the signal handler at once.
+
+Exit code 75 (EX_TEMPFAIL, "temporary failure, try again") means: stopped on a signal; the
+newest checkpoint on disk (of the last step when there was time to write it) is where
+``--resume auto`` continues.
 """
 
 from __future__ import annotations
@@ -21,22 +28,53 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import Mapping
 
 __all__ = ["PREEMPT_EXIT_CODE", "PREEMPT_SIGNALS", "Preempted", "Preemption",
-           "requeue_command"]
+           "requeue_command", "sigterm_grace_s", "SHORT_GRACE_S"]
 
 PREEMPT_EXIT_CODE = 75
 PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+# Below this many seconds between SIGTERM and SIGKILL a step boundary is out of reach.
+SHORT_GRACE_S = 2.0
+# Launchers' defaults for the SIGTERM -> SIGKILL delay, when nothing says otherwise.
+_DEFAULT_GRACE_S = {"openmpi": 1.0, "slurm": 30.0, "pals": 10.0}
+
+
+def sigterm_grace_s(launcher: str, env: Mapping[str, str], configured: float = 0.0
+                    ) -> float | None:
+    """Seconds between SIGTERM and SIGKILL for this launch (None: no known deadline).
+
+    ``configured`` (checkpoint.sigterm_grace_s) wins; under Open MPI the value mpirun was
+    given (``--mca odls_base_sigkill_timeout N`` reaches the ranks as an environment
+    variable), else the launcher's default.
+    """
+    if configured > 0:
+        return configured
+    if launcher == "openmpi":
+        raw = (env.get("OMPI_MCA_odls_base_sigkill_timeout") or "").strip()
+        try:
+            return float(raw) if raw else _DEFAULT_GRACE_S["openmpi"]
+        except ValueError:
+            return _DEFAULT_GRACE_S["openmpi"]
+    return _DEFAULT_GRACE_S.get(launcher)
 
 
 class Preempted(Exception):
-    """Training stopped early on a signal after checkpointing ``step`` to ``path``."""
+    """Training stopped early on a signal; ``path`` is the newest checkpoint (None: none).
 
-    def __init__(self, step: int, path: str, signal_name: str, requeued: bool):
+    ``saved`` says whether ``path`` holds ``step`` itself (False: no time to write it).
+    """
+
+    def __init__(self, step: int, path: str | None, signal_name: str, requeued: bool,
+                 saved: bool = True):
         self.step, self.path, self.signal_name, self.requeued = step, path, signal_name, requeued
+        self.saved = saved
         what = "job requeued" if requeued else "rerun with --resume auto to continue"
-        super().__init__(f"pre-empted by {signal_name}: checkpoint of step {step} in {path}; {what}")
+        where = f"checkpoint of step {step} in {path}" if saved else \
+            f"no time to save step {step}; newest checkpoint: {path or 'none'}"
+        super().__init__(f"pre-empted by {signal_name}: {where}; {what}")
 
 
 def requeue_command(env: Mapping[str, str]) -> list[str] | None:
@@ -54,11 +92,13 @@ class Preemption:
     """
 
     def __init__(self, requeue: str = "auto", signals=PREEMPT_SIGNALS,
-                 env: Mapping[str, str] | None = None):
+                 env: Mapping[str, str] | None = None, grace_s: float | None = None):
         self.requeue = requeue
         self.signals = tuple(signals)
         self.env = os.environ if env is None else env
+        self.grace_s = grace_s          # SIGTERM -> SIGKILL delay; None: no known deadline
         self.received: int | None = None
+        self.term_at: float | None = None
         self._previous: dict[int, object] = {}
 
     def install(self) -> "Preemption":
@@ -85,8 +125,25 @@ class Preemption:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
+        if signum == signal.SIGTERM and self.term_at is None:
+            self.term_at = time.monotonic()
+            if self.grace_s is not None and self.grace_s < SHORT_GRACE_S:
+                # SIGKILL follows before any step boundary: leave now with the code that
+                # says "resume from the newest checkpoint", rather than die mid-save.
+                sys.stderr.write(f"hpctrain: SIGTERM with {self.grace_s:g} s until SIGKILL: no "
+                                 f"time to checkpoint; exiting {PREEMPT_EXIT_CODE} (give mpirun "
+                                 "--mca odls_base_sigkill_timeout 60 for a checkpoint)\n")
+                sys.stderr.flush()
+                sys.stdout.flush()
+                os._exit(PREEMPT_EXIT_CODE)
         if self.received is None:
             self.received = signum
+
+    def time_left_s(self) -> float:
+        """Seconds until SIGKILL after a SIGTERM (inf when no deadline is known or pending)."""
+        if self.term_at is None or self.grace_s is None:
+            return float("inf")
+        return self.grace_s - (time.monotonic() - self.term_at)
 
     def should_stop(self, comm) -> bool:
         """True on every rank once any rank got a signal (collective over comm's ranks)."""
@@ -96,7 +153,7 @@ class Preemption:
             self.received = int(agreed)
         return agreed > 0
 
-    def finish(self, step: int, path: str, comm) -> None:
+    def finish(self, step: int, path: str | None, comm, saved: bool = True) -> None:
         """After the checkpoint: rank 0 requeues (SLURM job); every rank raises Preempted.
 
         Collective over comm's ranks: the others wait at a barrier until the requeue is
@@ -107,12 +164,13 @@ class Preemption:
         requeued = False
         cmd = requeue_command(self.env) if self.requeue == "auto" else None
         if comm.rank == 0:
-            print(f"hpctrain: {name} received; stopped after step {step}, checkpoint {path}",
-                  flush=True)
+            what = f"checkpoint {path}" if saved else \
+                f"no time to save it (newest checkpoint: {path or 'none'})"
+            print(f"hpctrain: {name} received; stopped after step {step}, {what}", flush=True)
             if cmd is not None:
                 requeued = _run_requeue(cmd)
         comm.barrier()
-        raise Preempted(step, path, name, requeued)
+        raise Preempted(step, path, name, requeued, saved)
 
 
 def _run_requeue(cmd: list[str]) -> bool:

@@ -11,7 +11,7 @@ class Progress:
     """Show loss and throughput; silent on every rank but 0."""
 
     def __init__(self, total: int, enabled: bool, mode: str = "auto", log_every: int = 10,
-                 unit: str = "samples"):
+                 unit: str = "samples", start: int = 0):
         self.enabled = enabled
         self.log_every = log_every
         self.unit = unit
@@ -21,7 +21,8 @@ class Progress:
         if enabled and use_bar:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
+            self._bar = tqdm(total=total, initial=start, desc="train", unit="step",
+                             dynamic_ncols=True)
 
     def update(self, step: int, loss: float, rate: float) -> None:
         if not self.enabled:

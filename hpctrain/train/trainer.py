@@ -2,22 +2,30 @@
 
 from __future__ import annotations
 
+import math
+import os
 import time
 
 import torch
 
 from hpctrain import checkpoint, parallel
 from hpctrain.config import Config
+from hpctrain.errors import UsageError
+from hpctrain.runtime.abort import set_context
 from hpctrain.data.sampler import GlobalBatchSampler, collate
 from hpctrain.models.registry import BuiltModel, build, build_layers
 from hpctrain.train.activation_checkpointing import checkpoint_blocks
 from hpctrain.train.metrics import MetricsCSV, peak_rss_mb, write_summary
 from hpctrain.train.precision import Precision
-from hpctrain.train.preemption import Preemption
+from hpctrain.train.preemption import Preemption, sigterm_grace_s
 from hpctrain.train.progress import Progress
 from hpctrain.train.strategy import make_optimizer_factory, strategy_options
 
-__all__ = ["Trainer", "build_model"]
+__all__ = ["Trainer", "build_model", "NonFiniteError"]
+
+
+class NonFiniteError(UsageError):
+    """The loss or the parameters became NaN/inf; raised on every rank at the same step."""
 
 
 def build_model(cfg: Config, world_size: int | None = None) -> BuiltModel:
@@ -73,6 +81,7 @@ class Trainer:
         self.sampler = GlobalBatchSampler(len(self.built.dataset), t.global_batch_size, t.seed,
                                           data_rank, data_ranks, t.grad_accum)
         self.start_step, self.history = 0, []
+        self._save_s: float | None = None  # wall time of this run's last save
         c = cfg.checkpoint
         resume = checkpoint.resolve_resume(c.resume, c.dir)
         if resume:
@@ -82,10 +91,57 @@ class Trainer:
                 print(f"hpctrain: resumed from {resume} at step {self.start_step}", flush=True)
 
     def save(self, step: int, losses: list[float]) -> str:
-        """Write a checkpoint of the state after `step` steps (collective)."""
+        """Write a checkpoint of the state after `step` steps (collective).
+
+        A model whose parameters are no longer finite is never saved: with keep-last-K the
+        save would rotate out the good checkpoints.
+        """
+        norm = self.par.param_norm()
+        if not math.isfinite(norm):
+            raise NonFiniteError(
+                f"step {step}: the parameters are not finite (norm {norm}); no checkpoint "
+                f"written, the newest good one is {self._latest_or_none()}. Lower --lr or set "
+                f"--max-grad-norm")
         c = self.cfg.checkpoint
-        return checkpoint.save_checkpoint(c.dir, step, self.par, self.world, self.cfg, self.sampler,
-                                          losses, self.precision.scaler, c.keep)
+        t0 = time.perf_counter()
+        path = checkpoint.save_checkpoint(c.dir, step, self.par, self.world, self.cfg,
+                                          self.sampler, losses, self.precision.scaler, c.keep)
+        self._save_s = time.perf_counter() - t0
+        if self.world.is_main:
+            print(f"hpctrain: checkpoint written: {path}", flush=True)
+        return path
+
+    def _save_estimate_s(self) -> float:
+        """How long a save will take: the last one's time with a margin, else a cautious guess
+        from the bytes this rank writes (parameters and two optimizer states, at 100 MB/s)."""
+        if self._save_s is not None:
+            return 1.5 * self._save_s + 0.5
+        nbytes = sum(p.numel() * p.element_size() for p in self.par.model.parameters())
+        return 1.0 + 3 * nbytes / self.world.size / 100e6
+
+    def _stop_on_signal(self, step: int, saved_step: int, losses: list[float], preempt) -> None:
+        """Checkpoint `step` unless SIGKILL would cut the save short; raise Preempted.
+
+        Collective: the time left and the save estimate are agreed, so every rank decides alike.
+        """
+        ck, host = self.cfg.checkpoint, self.world.host
+        path, saved = checkpoint.latest(ck.dir), True
+        if saved_step != step:
+            left = host.allreduce_scalars([preempt.time_left_s()], op="min")[0]
+            need = host.allreduce_scalars([self._save_estimate_s()], op="max")[0]
+            if need <= left:
+                path = self.save(step, losses)
+            else:
+                saved = False
+                if self.world.is_main:
+                    print(f"hpctrain: {left:.1f} s left before SIGKILL, a checkpoint needs "
+                          f"~{need:.1f} s: not starting it (set checkpoint.sigterm_grace_s, or "
+                          f"give the job more time between SIGTERM and SIGKILL)", flush=True)
+        preempt.finish(step, path, host, saved)
+
+    def _latest_or_none(self) -> str:
+        c = self.cfg.checkpoint
+        return (checkpoint.latest(c.dir) if c.dir else None) or "none"
 
     def _micro_batches(self, step: int):
         """Yield (x, y, weight) for this rank's micro-batches of `step`."""
@@ -111,22 +167,32 @@ class Trainer:
         if main:
             print(world.describe(strategy=t.strategy, mesh=self.cfg.effective_mesh(world.size)),
                   flush=True)
+        if self.start_step >= t.steps:
+            return self._nothing_to_train()
         units_per_step = t.global_batch_size * self.built.units_per_sample
-        progress = Progress(t.steps, main, t.progress, t.log_every, self.built.unit)
-        csv = MetricsCSV(t.out_dir, main)
+        progress = Progress(t.steps, main, t.progress, t.log_every, self.built.unit,
+                            start=self.start_step)
+        csv = MetricsCSV(t.out_dir, main, resume_step=self.start_step)
         losses: list[float] = list(self.history)
         ck = self.cfg.checkpoint
         saved = self.start_step
         self.par.model.train()
         start = time.perf_counter()
         # A signal means checkpoint-and-stop only when there is somewhere to checkpoint to.
-        preempt = Preemption(ck.requeue).install() if ck.dir else None
+        grace = sigterm_grace_s(world.launch.launcher, os.environ, ck.sigterm_grace_s)
+        preempt = Preemption(ck.requeue, grace_s=grace).install() if ck.dir else None
         try:
             for step in range(self.start_step, t.steps):
+                set_context(step=step + 1)
                 t0 = time.perf_counter()
                 local = self._train_step(step)
                 loss = world.host.allreduce_scalars([local])[0]
                 dt = time.perf_counter() - t0
+                if not math.isfinite(loss):  # the all-reduced loss: every rank stops here
+                    raise NonFiniteError(
+                        f"step {step + 1}: the loss is {loss}; stopped without writing a "
+                        f"checkpoint (the newest good one is {self._latest_or_none()}). Lower "
+                        f"--lr or set --max-grad-norm")
                 losses.append(loss)
                 lr = self.par.optimizer.param_groups[0]["lr"]
                 progress.update(step, loss, units_per_step / dt)
@@ -137,11 +203,10 @@ class Trainer:
                     self.save(step + 1, losses)
                     saved = step + 1
                 if preempt is not None and step + 1 < t.steps and preempt.should_stop(world.host):
-                    path = self.save(step + 1, losses) if saved != step + 1 else \
-                        checkpoint.latest(ck.dir)
                     # rank 0 requeues the SLURM job; every rank raises Preempted (exit 75)
-                    preempt.finish(step + 1, path, world.host)
-            if ck.dir and saved != t.steps and self.start_step < t.steps:
+                    self._stop_on_signal(step + 1, saved, losses, preempt)
+            set_context(step=None)
+            if ck.dir and saved != t.steps:
                 self.save(t.steps, losses)
         finally:
             if preempt is not None:
@@ -149,15 +214,44 @@ class Trainer:
             progress.close()
             csv.close()
         elapsed = time.perf_counter() - start
-        summary = {
+        summary = self._summary(losses, t.steps - self.start_step, elapsed)
+        if main:
+            print(f"done: {t.steps} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+                  f"{summary['tokens_or_samples_per_s']:,.0f} {self.built.unit}/s, "
+                  f"peak RSS {summary['peak_rss_mb']:.0f} MiB/rank", flush=True)
+            if t.summary:
+                write_summary(t.summary, summary)
+        return summary
+
+    def _nothing_to_train(self) -> dict:
+        """The resumed checkpoint is already at or past train.steps: report it, train nothing."""
+        t = self.cfg.train
+        summary = self._summary(list(self.history), 0, 0.0)
+        if self.world.is_main:
+            print(f"hpctrain: the checkpoint is at step {self.start_step}, already at or past "
+                  f"train.steps = {t.steps}; nothing to train (raise --steps to continue)",
+                  flush=True)
+            if t.summary:
+                write_summary(t.summary, summary)
+        return summary
+
+    def _summary(self, losses: list[float], trained_steps: int, elapsed: float) -> dict:
+        """The run's JSON summary (collective: norms and peak RSS are reduced over ranks).
+
+        Throughput counts only the steps this run trained; None when it trained none.
+        """
+        t, world = self.cfg.train, self.world
+        units = t.global_batch_size * self.built.units_per_sample * trained_steps
+        return {
             "strategy": t.strategy,
             "world_size": world.size,
-            "steps": t.steps,
+            "steps": self.start_step + trained_steps,
+            "trained_steps": trained_steps,
             "losses": losses,
-            "final_loss": losses[-1],
+            "final_loss": losses[-1] if losses else None,
             "param_norm": self.par.param_norm(),
             "buffer_norm": self.par.buffer_norm(),
-            "tokens_or_samples_per_s": units_per_step * max(1, t.steps - self.start_step) / elapsed,
+            "tokens_or_samples_per_s": units / elapsed if trained_steps and elapsed > 0 else None,
             "unit": self.built.unit,
             "peak_rss_mb": world.host.allreduce_scalars([peak_rss_mb()], op="max")[0],
             "model": self.built.name,
@@ -166,10 +260,3 @@ class Trainer:
             "grad_accum": t.grad_accum,
             "elapsed_s": elapsed,
         }
-        if main:
-            print(f"done: {t.steps} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
-                  f"{summary['tokens_or_samples_per_s']:,.0f} {self.built.unit}/s, "
-                  f"peak RSS {summary['peak_rss_mb']:.0f} MiB/rank", flush=True)
-            if t.summary:
-                write_summary(t.summary, summary)
-        return summary

@@ -85,3 +85,10 @@ def test_bad_input_is_one_clear_error(args, message):
     proc = _jobgen(*args, check=False)
     assert proc.returncode == 2
     assert message in proc.stderr and proc.stderr.count("error") == 1, proc.stderr
+
+
+def test_pbs_header_names_the_queue_flag_it_was_given():
+    text = _jobgen("--scheduler", "pbs", "--queue", "prod").stdout
+    assert "--queue prod" in text and "--partition" not in text
+    assert "#PBS -q prod" in text
+    assert "--partition gpu" in _jobgen("--scheduler", "slurm", "--partition", "gpu").stdout

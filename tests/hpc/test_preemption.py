@@ -148,3 +148,94 @@ def _rank_pid(session_id, rank):
         if environ.get(b"OMPI_COMM_WORLD_RANK") == rank.encode():
             return pid
     raise AssertionError(f"no rank {rank} in session {session_id}")
+
+
+def test_sigterm_grace_per_launcher():
+    from hpctrain.train.preemption import sigterm_grace_s
+
+    assert sigterm_grace_s("openmpi", {}) == 1.0
+    assert sigterm_grace_s("openmpi", {"OMPI_MCA_odls_base_sigkill_timeout": "60"}) == 60.0
+    assert sigterm_grace_s("slurm", {}) == 30.0 and sigterm_grace_s("pals", {}) == 10.0
+    assert sigterm_grace_s("single", {}) is None
+    assert sigterm_grace_s("openmpi", {}, configured=45) == 45
+
+
+def test_a_save_that_cannot_finish_before_sigkill_is_not_started(capsys):
+    """_stop_on_signal with 0.5 s left and a 3 s save: no save, Preempted(saved=False)."""
+    from types import SimpleNamespace
+
+    from hpctrain.config import Config
+    from hpctrain.train.trainer import Trainer
+
+    saves = []
+    t = Trainer.__new__(Trainer)
+    t.cfg = Config()
+    t.cfg.checkpoint.dir = "/nonexistent-ckpt-dir"
+    t.world = SimpleNamespace(host=OneRankSum(), is_main=True, size=1)
+    t._save_s = 2.0  # the last save took 2 s: ~3.5 s needed
+    t.save = lambda step, losses: saves.append(step)
+    p = Preemption(requeue="off", grace_s=10.0)
+    p.received, p.term_at = signal.SIGTERM, time.monotonic() - 9.5
+    with pytest.raises(Preempted) as info:
+        t._stop_on_signal(7, 5, [1.0] * 7, p)
+    assert saves == [] and info.value.saved is False and info.value.step == 7
+    assert "not starting it" in capsys.readouterr().out
+    p.term_at = time.monotonic()  # 10 s left: the save fits
+    t.save = lambda step, losses: saves.append(step) or f"ck/ckpt-{step}.h5"
+    with pytest.raises(Preempted) as info:
+        t._stop_on_signal(7, 5, [1.0] * 7, p)
+    assert saves == [7] and info.value.saved and info.value.path == "ck/ckpt-7.h5"
+
+
+class OneRankSum(OneRank):
+    def allreduce_scalars(self, values, op="sum"):
+        self.calls += 1
+        return list(values)
+
+
+def _run_until_steps(args, env, tmp_path, steps):
+    proc = subprocess.Popen(args, env=env, cwd=str(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    metrics = tmp_path / "out" / "metrics.csv"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) > steps:
+            break
+        time.sleep(0.1)
+    return proc
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("sigkill_after", [None, 8])
+def test_sigterm_to_mpirun_never_loses_a_checkpoint(tmp_path, sigkill_after):
+    """mpirun forwards SIGTERM and SIGKILLs the ranks odls_base_sigkill_timeout (1 s) later:
+    with 1 s the ranks exit 75 at once (no save started, the old checkpoints intact); given
+    8 s they checkpoint the step they stopped at. (mpirun itself, once signalled, exits 1
+    and lingers about twice its timeout after the ranks are gone.)"""
+    mca = [] if sigkill_after is None else ["--mca", "odls_base_sigkill_timeout",
+                                            str(sigkill_after)]
+    args = ["mpirun", "-n", "2", "--oversubscribe", "--bind-to", "none", *mca, sys.executable,
+            "-m", "hpctrain", "train", "--strategy", "ddp", "--model",
+            "tests.fixtures.slow:factory", "--steps", "200", "--progress", "off",
+            "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "3", "--keep", "0",
+            "--out-dir", str(tmp_path / "out"), "--requeue", "off"]
+    proc = _run_until_steps(args, mpi_env({"SLOW_STEP_S": "0.1"}), tmp_path, 4)
+    try:
+        os.kill(proc.pid, signal.SIGTERM)
+        sent = time.monotonic()
+        out, _ = proc.communicate(timeout=120)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode != 0, out
+    files = sorted(os.listdir(tmp_path / "ck"))
+    assert not [f for f in files if f.endswith(".tmp")], files
+    if sigkill_after is None:
+        assert "no time to checkpoint; exiting 75" in out, out
+        assert took < 10, out
+    else:
+        m = re.search(r"SIGTERM received; stopped after step (\d+), checkpoint (\S+)", out)
+        assert m, out
+        assert os.path.basename(m.group(2)) == "ckpt-%06d.h5" % int(m.group(1)) in files

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from hpctrain.errors import UsageError
 from hpctrain.runtime.device import available_cpus, bind_device, cpu_threads, select_device
 
 
@@ -49,9 +50,16 @@ def test_select_device(local_rank, env, count, expected):
 
 
 def test_select_device_forced_cuda_without_gpu_names_the_fix():
-    with pytest.raises(ValueError, match="HPCTRAIN_DEVICE=cuda") as err:
+    with pytest.raises(ValueError, match="HPCTRAIN_DEVICE='cuda'") as err:
         select_device(0, {"HPCTRAIN_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": ""}, 0)
     assert "fix:" in str(err.value) and "HPCTRAIN_DEVICE=cpu" in str(err.value)
+
+
+def test_requested_device_wins_and_is_the_one_blamed():
+    assert select_device(1, {"HPCTRAIN_DEVICE": "cuda"}, 2, requested="cpu") == "cpu"
+    with pytest.raises(UsageError, match=r"runtime.device = 'cuda' \(--device\)") as err:
+        select_device(0, {}, 0, requested="cuda")
+    assert "HPCTRAIN_DEVICE=" not in str(err.value).split(";")[0]
 
 
 @pytest.mark.parametrize("local_rank,env,count,match", [

@@ -168,6 +168,10 @@ RECORDED = [
     ("sbatch script without srun", SBATCH_SCRIPT_NO_SRUN,
      LaunchInfo("single", 0, 1, 0, 1, 0, 1, "812349")),
     ("empty env", {}, LaunchInfo("single", 0, 1, 0, 1, 0, 1, None)),
+    # A task other than 0 is never the batch script, even without a step id.
+    ("slurm task 1 without a step id", {
+        "SLURM_JOB_ID": "9", "SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "1"},
+     LaunchInfo("slurm", 1, 2, 1, None, None, None, "9")),
 ]
 
 

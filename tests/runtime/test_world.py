@@ -27,3 +27,20 @@ def test_ranks_per_node_override_parsing():
         ranks_per_node_override({"HPCTRAIN_RANKS_PER_NODE": "two"})
     with pytest.raises(ValueError, match="not a positive integer"):
         ranks_per_node_override({"HPCTRAIN_RANKS_PER_NODE": "0"})
+
+
+def test_a_launcher_whose_ranks_mpi_does_not_see_is_refused():
+    from hpctrain.errors import UsageError
+    from hpctrain.runtime.launcher import LaunchInfo
+    from hpctrain.runtime.world import check_launch_size
+
+    torchrun = LaunchInfo("torchrun", 1, 2, 1, 2, 0, 1, None)
+    with pytest.raises(UsageError, match="torchrun launcher started 2 processes, but MPI sees 1"
+                       ) as err:
+        check_launch_size(torchrun, 1)
+    assert "mpirun -n N or srun --mpi=pmix" in str(err.value)
+    slurm = LaunchInfo("slurm", 0, 2, 0, 2, 0, 1, "7")
+    with pytest.raises(UsageError, match="srun --mpi=pmix"):
+        check_launch_size(slurm, 1)
+    check_launch_size(slurm, 2)
+    check_launch_size(LaunchInfo("single", 0, 1, 0, 1, 0, 1, None), 4)  # MPI knows better
