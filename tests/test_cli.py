@@ -217,3 +217,30 @@ def test_a_usage_error_on_one_rank_names_it_and_aborts():
     assert time.monotonic() - start < 60
     assert "hpctrain: error: rank 1 at step 3: injected usage error" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_rank_not_torn_down_still_prints_the_config_error():
+    # Rank 1 of a launch that does not stop at rank 0's exit: it says it itself.
+    proc = run_single(["-m", "hpctrain", "train", "--steps", "0"], check=False,
+                      env={"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2",
+                           "SLURM_PROCID": "1", "SLURM_LOCALID": "1"})
+    assert proc.returncode == 2
+    _one_error_line(proc, "train.steps = 0: must be >= 1")
+
+
+@pytest.mark.mpi
+def test_an_exception_in_a_python_api_script_aborts_every_rank(tmp_path):
+    script = tmp_path / "user.py"
+    script.write_text(
+        "import time, torch, hpctrain\n"
+        "world = hpctrain.init()\n"
+        "par = hpctrain.parallelize(torch.nn.Linear(4, 2), lambda ps: torch.optim.SGD(ps, lr=0.1),"
+        " strategy='ddp')\n"
+        "if world.rank == 1:\n"
+        "    raise KeyError('user bug on rank 1')\n"
+        "world.host.barrier()\n"
+        "time.sleep(120)\n")
+    start = time.monotonic()
+    proc = run_mpi(2, [str(script)], check=False, timeout=120)
+    assert proc.returncode != 0 and time.monotonic() - start < 60
+    assert "[hpctrain rank 1/2" in proc.stderr and "user bug on rank 1" in proc.stderr
