@@ -41,8 +41,9 @@ def domain_layout(mesh: str, world_size: int):
 class DomainParallel(Parallelized):
     name = "domain"
 
-    def __init__(self, model, optimizer, grid: DomainGrid, batch_comm, dp_rank: int, dp_size: int):
-        super().__init__(model, optimizer)
+    def __init__(self, model, optimizer, grid: DomainGrid, batch_comm, dp_rank: int, dp_size: int,
+                 job_comm=None):
+        super().__init__(model, optimizer, job_comm)
         self.grid = grid
         self.batch_comm = batch_comm
         self.dp_rank, self.dp_size = dp_rank, dp_size
@@ -134,4 +135,4 @@ def wrap(model: nn.Module, make_optimizer: OptimizerFactory, world,
     # pp = tp = 1, so the ranks holding parts of the global batch are the whole world.
     model = to_domain(model, grid, world.comm, overlap=opts.overlap)
     return DomainParallel(model, make_optimizer(model.parameters()), grid, world.comm,
-                          mesh.coords["dp"], mesh.size("dp"))
+                          mesh.coords["dp"], mesh.size("dp"), world.host)
