@@ -28,8 +28,9 @@ class Parallelized:
     ``model(x)`` and its backward (zero3/fsdp gather units, domain exchanges halos,
     synchronized BatchNorm reduces statistics), ``backward``, ``forward_backward``, ``step``,
     ``param_norm``, ``buffer_norm``, ``full_state_dict`` and the checkpoint hooks
-    (``state_entries``, ``state_meta``, ``load_state_entries``). Local (any rank alone):
-    ``data_shard``, ``load_batch``, ``memory_report``.
+    ``state_entries`` and ``load_state_entries`` (the checkpoint package calls them on every
+    rank). Local (any rank alone): ``data_shard``, ``load_batch``, ``memory_report``,
+    ``state_meta``.
     """
 
     name = "base"

@@ -75,7 +75,7 @@ class FSDPOptions:
         check("backward_prefetch", self.backward_prefetch, BACKWARD_PREFETCH)
         for f in ("param_dtype", "reduce_dtype", "buffer_dtype"):
             check(f, getattr(self, f), tuple(DTYPES))
-        check_wrap_policy("FSDPOptions", self.auto_wrap_policy, self.wrap_classes,
+        check_wrap_policy("FSDPOptions", "fsdp", self.auto_wrap_policy, self.wrap_classes,
                           self.min_params)
         if not isinstance(self.grad_accum, int) or self.grad_accum < 1:
             raise ValueError(f"FSDPOptions.grad_accum = {self.grad_accum!r}: expected an int >= 1 "

@@ -1,8 +1,8 @@
 """ZeRO stages 1, 2 and 3, hand-written over the Communicator (MPI ranks now, NCCL later).
 
-Trainable parameters are flattened per unit (by default one unit per block plus a root;
-the auto-wrap policies of ``units.py``, as fsdp) into buffers padded to a multiple of the world size; rank r owns the r-th
-slice, and the optimizer steps only those shard parameters.
+Trainable parameters are flattened per unit (by default one per block plus a root; the
+auto-wrap policies of ``units.py``, as fsdp) into buffers padded to a multiple of the world
+size; rank r owns the r-th slice, and the optimizer steps only those shard parameters.
 
 - stage 1: full gradients on every rank, reduce-scattered (SUM) at the step; after the
   step the updated shards are all-gathered back into the full buffers.
@@ -53,7 +53,7 @@ class ZeroOptions:
         if not isinstance(self.grad_accum, int) or self.grad_accum < 1:
             raise ValueError(f"ZeroOptions.grad_accum = {self.grad_accum!r}: expected an int >= 1 "
                              "(the number of backward calls per step)")
-        check_wrap_policy("ZeroOptions", self.auto_wrap_policy, self.wrap_classes,
+        check_wrap_policy("ZeroOptions", "zero", self.auto_wrap_policy, self.wrap_classes,
                           self.min_params)
 
 

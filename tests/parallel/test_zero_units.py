@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from hpctrain import parallel
 from hpctrain.config import load_config
 from hpctrain.errors import UsageError
 from hpctrain.models.gpt import GPT
@@ -107,6 +108,9 @@ def test_the_strategy_name_gives_the_stage_and_options_must_not_contradict_it():
         options_for("zero2", FSDPOptions())
     with pytest.raises(ValueError, match="needs the stage"):
         zero_wrap(torch.nn.Linear(2, 2), None, None, ZeroOptions())
+    # parallelize() goes through parallel.wrap: refused before the world is touched.
+    with pytest.raises(ValueError, match="different stages"):
+        parallel.wrap("zero3", torch.nn.Linear(2, 2), None, None, ZeroOptions(stage=1))
 
 
 def test_single_refuses_a_world_of_several_ranks():

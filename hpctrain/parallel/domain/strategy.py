@@ -51,11 +51,11 @@ class DomainParallel(Parallelized):
         self._shapes = None  # global spatial shapes of the current batch's (x, y)
 
     def data_shard(self, world) -> tuple[int, int]:
-        """Samples are split over dp only; the dom ranks of a dp group share them."""
+        """Samples are split over dp only; the dom ranks of a dp group share them (local)."""
         return self.dp_rank, self.dp_size
 
     def load_batch(self, dataset, indices):
-        """Read this rank's tile of each sample (hyperslabs only when the data set can)."""
+        """Read this rank's tile of each sample (hyperslabs only when the data set can); local."""
         nd = self.grid.ndim
         if hasattr(dataset, "read_tile") and hasattr(dataset, "spatial_shape"):
             glob = tuple(dataset.spatial_shape)
@@ -75,6 +75,8 @@ class DomainParallel(Parallelized):
         return t[(Ellipsis,) + tuple(slice(a, b) for a, b in zip(lo, hi))].contiguous()
 
     def forward_backward(self, micro_batches, loss_fn, precision) -> float:
+        """Each micro-batch's loss on this rank's tiles, weighted by the tile's share of the
+        grid (collective: halo exchanges)."""
         local = 0.0
         for x, y, weight in micro_batches:
             gx, gy = self._shapes

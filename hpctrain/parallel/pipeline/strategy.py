@@ -75,10 +75,12 @@ class Pipelined(Parallelized):
 
     # -- data: ranks of one pipeline share the data of their dp replica --
     def data_shard(self, world) -> tuple[int, int]:
+        """The dp replica's share: every stage of a pipeline reads the same samples (local)."""
         return self.dp.rank, self.dp.size
 
     def forward_backward(self, micro_batches, loss_fn, precision) -> float:
-        """Cut each micro-batch into pipeline.microbatches pieces and run the schedule."""
+        """Cut each micro-batch into pipeline.microbatches pieces and run the schedule
+        (collective: the stages exchange activations and gradients)."""
         m, local = self.opts.microbatches, 0.0
         for (x, y, weight), last in _with_last(micro_batches):
             n = x.shape[0]
@@ -124,14 +126,15 @@ class Pipelined(Parallelized):
                                for p in self.model.parameters() if p.grad is not None)
 
     def step(self, scaler=None, max_grad_norm: float = 0.0) -> None:
-        """ddp: the base step over full gradients; zero1/zero2: the shards step (dp_shards)."""
+        """ddp: the base step over full gradients; zero1/zero2: the shards step (dp_shards);
+        collective."""
         if self.shards is None:
             return super().step(scaler, max_grad_norm)
         return self.shards.step(scaler, max_grad_norm)
 
     def memory_report(self) -> dict:
         """Bytes this rank holds for params, gradients (alive at the last step) and optimizer
-        state; with dp_sharding zero1/zero2 the optimizer (and zero2 grads) are 1/dp."""
+        state; with dp_sharding zero1/zero2 the optimizer (and zero2 grads) are 1/dp; local."""
         if self.shards is not None:
             rep = self.shards.memory_report()
         else:

@@ -100,7 +100,8 @@ class ShardedModel(Parallelized):
     # ---- backward ----------------------------------------------------------------------
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Accumulate gradients of loss; on a step's last micro-batch reduce them per unit."""
+        """Accumulate gradients of loss; on a step's last micro-batch reduce them per unit
+        (collective)."""
         self._final = self._micro + 1 >= self.plan.grad_accum
         for st in self._states:
             st.arrived = set()
@@ -208,7 +209,8 @@ class ShardedModel(Parallelized):
             u.gather()
 
     def step(self, scaler=None, max_grad_norm: float = 0.0) -> None:
-        """Reduce-scatter gradients, unscale/clip over shards, step the shards, re-gather."""
+        """Reduce-scatter gradients, unscale/clip over shards, step the shards, re-gather
+        (collective)."""
         self._sync_grads()
         untouched = self._untouched()
         if scaler is not None:
