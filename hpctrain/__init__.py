@@ -30,6 +30,10 @@ def parallelize(model, optimizer, strategy: str = "ddp", world=None, options=Non
 
     ``optimizer`` is either a factory ``params -> Optimizer`` (preferred: sharded strategies
     build it over their shard) or an optimizer instance, rebuilt with its class and defaults.
+    ``strategy`` is one of ``parallel.STRATEGY_MODULES``: "zero1"/"zero2"/"zero3" run that
+    stage (``options`` naming another stage is a ValueError); "pipeline" takes an
+    nn.Sequential (one layer per child) or a LayerStack; "single" needs a one-rank world.
+    See ``Parallelized`` for which of its methods are collective.
     """
     import torch
 

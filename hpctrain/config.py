@@ -98,6 +98,12 @@ class ZeroSection:
     """[zero]: ZeRO stages 1-3 (strategies zero1, zero2, zero3)."""
 
     sync_batchnorm: bool = _f(True, "BatchNorm statistics over the global batch (all ranks)")
+    auto_wrap_policy: str = _f("blocks", "units: blocks (repeated blocks: ModuleList elements, "
+                               "an nn.Sequential's repeated children), class (wrap_classes), "
+                               "size (min_params) or none (one unit)", choices=FSDP_WRAP)
+    wrap_classes: str = _f("", "comma-separated module class names for auto_wrap_policy=class, "
+                           "e.g. GPTBlock")
+    min_params: int = _f(0, "parameters per unit for auto_wrap_policy=size", min=0)
 
 
 @dataclass

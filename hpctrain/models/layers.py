@@ -15,7 +15,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-__all__ = ["PipeLayer", "LayerStack", "layer_seed", "seeded", "mount", "from_sequential"]
+__all__ = ["PipeLayer", "LayerStack", "layer_seed", "seeded", "mount", "from_sequential",
+           "shared_parameters"]
 
 _MASK63 = (1 << 63) - 1
 
@@ -105,15 +106,34 @@ def mount(root: nn.Module, path: str, module: nn.Module) -> None:
 
 
 def from_sequential(model: nn.Sequential) -> LayerStack:
-    """Layers of an already built nn.Sequential: one per child (the model was built whole)."""
+    """Layers of an already built nn.Sequential: one per child (the model was built whole).
+
+    A parameter shared by several children (an embedding tied to the output head, a module
+    repeated in the Sequential) is declared tied, owned by the first child using it, so
+    stages that each hold a copy keep them identical (the pipeline sums their gradients).
+    """
     if not isinstance(model, nn.Sequential):
-        raise TypeError(f"automatic pipeline splitting needs an nn.Sequential model (or a "
-                        f"built-in model), got {type(model).__name__}; fix: return an "
-                        f"nn.Sequential from the factory or set pipeline.split_points on one")
-    children = list(model.named_children())
+        raise TypeError(f"pipeline splitting needs an nn.Sequential model, a LayerStack or a "
+                        f"built-in model, got {type(model).__name__}; fix: express the model as "
+                        f"an nn.Sequential of its layers (e.g. Sequential(embed, *blocks, head)) "
+                        f"or describe it as a models.layers.LayerStack")
+    # _modules, not named_children(): a module repeated in the Sequential is a layer each time.
+    children = list(model._modules.items())
 
     def layer(name, module):
         return PipeLayer(name, lambda: {name: module},
                          lambda root, x: root.get_submodule(name)(x))
 
-    return LayerStack([layer(n, m) for n, m in children])
+    return LayerStack([layer(n, m) for n, m in children], tied=shared_parameters(model))
+
+
+def shared_parameters(model: nn.Module) -> dict:
+    """{parameter path: path of its first use} for every parameter reachable by several paths."""
+    first: dict = {}
+    tied: dict = {}
+    for path, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            tied[path] = first[id(p)]
+        else:
+            first[id(p)] = path
+    return tied

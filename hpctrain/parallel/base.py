@@ -22,21 +22,33 @@ class Parallelized:
     The training loop calls ``model(x)``, ``backward(loss)`` once per micro-batch and
     ``step()`` once per optimizer step. Subclasses override the ``_sync_grads`` hook (make
     gradients final) and ``_grad_norm``/``param_norm`` where state is sharded.
+
+    Which calls are collective is the same under every strategy, so code written against one
+    strategy runs under another. Collective (every rank calls it, in the same order):
+    ``model(x)`` and its backward (zero3/fsdp gather units, domain exchanges halos,
+    synchronized BatchNorm reduces statistics), ``backward``, ``forward_backward``, ``step``,
+    ``param_norm``, ``buffer_norm``, ``full_state_dict`` and the checkpoint hooks
+    ``state_entries`` and ``load_state_entries`` (the checkpoint package calls them on every
+    rank). Local (any rank alone): ``data_shard``, ``load_batch``, ``memory_report``,
+    ``state_meta``.
     """
 
     name = "base"
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, job_comm=None):
         self.model = model
         self.optimizer = optimizer
+        self.job_comm = job_comm  # host Communicator over every rank of the job (None: one)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Accumulate gradients of loss (already weighted by its share of the global batch)."""
+        """Accumulate gradients of loss (already weighted by its share of the global batch).
+        Collective: sharded strategies reduce gradients during backward, ddp starts its
+        all-reduces."""
         loss.backward()
 
     def data_shard(self, world) -> tuple[int, int]:
-        """(index, count) of this rank's share of each micro-batch. Ranks that need the same
-        samples (the stages of one pipeline) return the same index."""
+        """(index, count) of this rank's share of each micro-batch (local). Ranks that need the
+        same samples (the stages of one pipeline) return the same index."""
         return world.rank, world.size
 
     def forward_backward(self, micro_batches: Iterable, loss_fn, precision) -> float:
@@ -44,7 +56,7 @@ class Parallelized:
 
         ``micro_batches`` yields ``(x, y, weight)`` with weight = the micro-batch's share of
         the global batch. Strategies that schedule micro-batches themselves (pipeline) or
-        split each sample (domain) override this; the loop never looks inside.
+        split each sample (domain) override this; the loop never looks inside. Collective.
         """
         local = 0.0
         for x, y, weight in micro_batches:
@@ -55,7 +67,7 @@ class Parallelized:
         return local
 
     def load_batch(self, dataset, indices):
-        """Collate this rank's samples (domain parallel reads only its tile of each)."""
+        """Collate this rank's samples (domain parallel reads only its tile of each); local."""
         from hpctrain.data.sampler import collate
 
         return collate(dataset, indices)
@@ -87,7 +99,8 @@ class Parallelized:
             scaler.update()
 
     def step(self, scaler=None, max_grad_norm: float = 0.0) -> None:
-        """Finish the gradients, unscale/clip them, step the optimizer and zero the gradients."""
+        """Finish the gradients, unscale/clip them, step the optimizer and zero the gradients
+        (collective)."""
         self._sync_grads()
         if scaler is not None:
             scaler.unscale_(self.optimizer)
@@ -199,17 +212,55 @@ class Parallelized:
                       for k, v in sg.items() if k != "params" and k in g})
 
     def buffer_norm(self) -> float:
-        """Global L2 norm of the floating-point buffers (e.g. BatchNorm running statistics)."""
+        """Global L2 norm of the floating-point buffers (e.g. BatchNorm running statistics);
+        collective."""
         with torch.no_grad():
             sq = sum(float(b.detach().double().pow(2).sum()) for b in self.model.buffers()
                      if b.is_floating_point())
-        return math.sqrt(sq)
+        return math.sqrt(self._agree(sq))
 
     def param_norm(self) -> float:
-        """Global L2 norm of all parameters (each shared parameter counted once)."""
+        """Global L2 norm of all parameters (each shared parameter counted once); collective."""
         with torch.no_grad():
             sq = sum(float(p.detach().double().pow(2).sum()) for p in self.model.parameters())
-        return math.sqrt(sq)
+        return math.sqrt(self._agree(sq))
+
+    def _agree(self, value: float) -> float:
+        """``value`` as every rank agrees on it (collective over the job). A replicated value
+        is the same everywhere already; agreeing anyway makes the norms collective under
+        every strategy, so a call on one rank only hangs under ddp as it would under zero3
+        instead of working until the strategy changes."""
+        if self.job_comm is None or self.job_comm.size == 1:
+            return value
+        return self.job_comm.allreduce_scalars([value], op="max")[0]
+
+    def full_state_dict(self, rank0_only: bool = False) -> dict:
+        """The whole model's state_dict, as one process would have it: CPU copies, shards
+        gathered, pipeline stages collected (tied parameters: one tensor under each key).
+        Collective: every rank calls it; with ``rank0_only`` the others return {}."""
+        state = self._full_state()
+        if self.job_comm is not None:
+            self.job_comm.barrier()  # collective under every strategy, as the sharded ones are
+        if rank0_only and self.job_comm is not None and self.job_comm.rank != 0:
+            return {}
+        return state
+
+    def _full_state(self) -> dict:
+        """The whole model's state on this rank: the local model's, with the full values of
+        parameters this rank does not hold whole (``_gathered``)."""
+        copies = self._gathered()
+        return {k: _cpu_copy(t, copies) for k, t in self.model.state_dict(keep_vars=True).items()}
+
+    def _gathered(self) -> dict:
+        """{id(parameter): its full CPU value} for parameters sharded over ranks (none here)."""
+        return {}
+
+
+def _cpu_copy(t: torch.Tensor, copies: dict) -> torch.Tensor:
+    """A detached CPU copy of t, the same one for every key of a tied tensor."""
+    if id(t) not in copies:
+        copies[id(t)] = t.detach().to("cpu", copy=True)
+    return copies[id(t)]
 
 
 def _jsonable(v) -> bool:

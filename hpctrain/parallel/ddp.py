@@ -52,7 +52,7 @@ class HorovodDDP(Parallelized):
     name = "ddp"
 
     def __init__(self, model, optimizer, hvd, host_comm):
-        super().__init__(model, optimizer)
+        super().__init__(model, optimizer, host_comm)
         self._hvd = hvd
         self._host = host_comm
         self._trainable = [p for p in model.parameters() if p.requires_grad]

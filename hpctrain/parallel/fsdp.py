@@ -31,13 +31,13 @@ from hpctrain.parallel.sharding.engine import ShardedModel, ShardPlan, broadcast
 from hpctrain.parallel.sharding.schedule import GatherSchedule, cast_floating_inputs
 from hpctrain.parallel.sharding.solo import SoloCommunicator
 from hpctrain.parallel.sync_batchnorm import convert_sync_batchnorm
-from hpctrain.parallel.units import partition_modules
+from hpctrain.parallel.units import WRAP_POLICIES, check_wrap_policy, partition_modules, \
+    rebind, wrapped_modules
 
 __all__ = ["FSDPOptions", "SHARDING_STRATEGIES", "WRAP_POLICIES", "BACKWARD_PREFETCH",
            "DTYPES", "wrap", "wrapped_modules"]
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
-WRAP_POLICIES = ("blocks", "class", "size", "none")
 BACKWARD_PREFETCH = ("BACKWARD_PRE", "NONE")
 DTYPES = {"": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _STAGE = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0, "HYBRID_SHARD": 3}
@@ -47,10 +47,11 @@ _STAGE = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0, "HYBRID_SHARD": 3}
 class FSDPOptions:
     """Sharding strategy, auto-wrap policy, prefetch, mixed precision and offload.
 
-    ``auto_wrap_policy``: "blocks" (each element of a ModuleList, as zero does), "class"
-    (every module whose class name is in ``wrap_classes``), "size" (bottom-up, a module whose
-    not-yet-wrapped parameters number at least ``min_params``) or "none" (one unit). dtypes
-    are "" (keep the parameters' own), "fp32", "bf16" or "fp16".
+    ``auto_wrap_policy``: "blocks" (the model's repeated blocks, ``models.structure``, as
+    zero does), "class" (every module whose class name is in ``wrap_classes``), "size"
+    (bottom-up, a module whose not-yet-wrapped parameters number at least ``min_params``)
+    or "none" (one unit); see ``units.wrapped_modules``. dtypes are "" (keep the
+    parameters' own), "fp32", "bf16" or "fp16".
     """
 
     sharding_strategy: str = "FULL_SHARD"
@@ -71,61 +72,14 @@ class FSDPOptions:
                 raise ValueError(f"FSDPOptions.{field} = {value!r}: expected one of "
                                  f"{', '.join(repr(a) for a in allowed)}")
         check("sharding_strategy", self.sharding_strategy, SHARDING_STRATEGIES)
-        check("auto_wrap_policy", self.auto_wrap_policy, WRAP_POLICIES)
         check("backward_prefetch", self.backward_prefetch, BACKWARD_PREFETCH)
         for f in ("param_dtype", "reduce_dtype", "buffer_dtype"):
             check(f, getattr(self, f), tuple(DTYPES))
-        if self.auto_wrap_policy == "class" and not self.wrap_classes:
-            raise ValueError("FSDPOptions.auto_wrap_policy = 'class' needs wrap_classes, e.g. "
-                             "('GPTBlock',)")
-        if self.auto_wrap_policy == "size" and self.min_params < 1:
-            raise ValueError(f"FSDPOptions.auto_wrap_policy = 'size' needs min_params >= 1, got "
-                             f"{self.min_params!r}")
+        check_wrap_policy("FSDPOptions", "fsdp", self.auto_wrap_policy, self.wrap_classes,
+                          self.min_params)
         if not isinstance(self.grad_accum, int) or self.grad_accum < 1:
             raise ValueError(f"FSDPOptions.grad_accum = {self.grad_accum!r}: expected an int >= 1 "
                              "(the number of backward calls per step)")
-
-
-def wrapped_modules(model: nn.Module, opts: FSDPOptions) -> list[tuple[str, nn.Module]]:
-    """The (qualified name, module) pairs the auto-wrap policy makes units of (root excluded)."""
-    policy = opts.auto_wrap_policy
-    if policy == "none":
-        return []
-    if policy == "blocks":
-        out = []
-        for name, m in model.named_modules():
-            if isinstance(m, nn.ModuleList) and not any(name.startswith(b + ".") for b, _ in out):
-                out += [(f"{name}.{k}" if name else k, c) for k, c in m.named_children()]
-        return out
-    if policy == "class":
-        wanted = set(opts.wrap_classes)
-        out = [(n, m) for n, m in model.named_modules() if n and type(m).__name__ in wanted]
-        found = {type(m).__name__ for _, m in out}
-        if wanted - found:
-            names = sorted({type(m).__name__ for m in model.modules()})
-            raise ValueError(f"auto-wrap classes {sorted(wanted - found)} match no module of "
-                             f"{type(model).__name__}; its module classes are {names}")
-        return out
-    # "size": post-order, as torch's size_based_auto_wrap_policy: a module is wrapped when
-    # its trainable parameters not already inside a wrapped child reach min_params.
-    # A tied parameter counts once, where the walk meets it first.
-    out: list = []
-    seen: set = set()
-
-    def visit(name: str, m: nn.Module) -> int:
-        left = sum(visit(f"{name}.{k}" if name else k, c) for k, c in m.named_children())
-        for p in m.parameters(recurse=False):
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                left += p.numel()
-        if name and left >= opts.min_params:
-            out.append((name, m))
-            return 0
-        return left
-
-    visit("", model)
-    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
-    return sorted(out, key=lambda nm: order[nm[0]])
 
 
 def _groups(world, strategy: str):
@@ -164,7 +118,7 @@ def wrap(model: nn.Module, make_optimizer: OptimizerFactory, world,
     if opts.sync_batchnorm:  # batch statistics of the global batch, as in one process
         model = convert_sync_batchnorm(model, world.comm)
     broadcast_state(model, world.comm)
-    specs, frozen = partition_modules(model, wrapped)
+    specs, frozen = partition_modules(model, rebind(model, wrapped))
     shard_comm, replicate_comm = _groups(world, opts.sharding_strategy)
     param_dtype = DTYPES[opts.param_dtype]
     offload = opts.cpu_offload and world.device.type != "cpu"

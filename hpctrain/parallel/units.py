@@ -1,8 +1,10 @@
-"""Split a model's trainable parameters into units: one per repeated block, plus a root.
+"""Split a model's trainable parameters into units: the auto-wrap policies, and the partition.
 
-Shared by the sharded strategies (zero, fsdp). A block is an element of a top-level
-``nn.ModuleList`` (e.g. GPT's ``blocks``); the root unit holds every other trainable
-parameter, including any parameter that two units share (it is gathered the longest).
+Shared by the sharded strategies (zero, fsdp). A policy picks the modules that become units
+(``wrapped_modules``): the model's blocks (``models.structure``), modules of named classes,
+modules over a parameter count, or none. ``partition_modules`` then gives each unit the
+parameters of its module; the root unit holds every other trainable parameter, including
+any parameter that two units share (it is gathered the longest).
 """
 
 from __future__ import annotations
@@ -11,7 +13,13 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-__all__ = ["UnitSpec", "partition", "partition_modules"]
+from hpctrain.errors import UsageError
+from hpctrain.models.structure import find_blocks, is_container
+
+__all__ = ["WRAP_POLICIES", "UnitSpec", "check_wrap_policy", "partition", "partition_modules",
+           "rebind", "wrapped_modules"]
+
+WRAP_POLICIES = ("blocks", "class", "size", "none")
 
 
 @dataclass
@@ -23,22 +31,93 @@ class UnitSpec:
     params: list = field(default_factory=list)
 
 
-def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    blocks: list[tuple[str, nn.Module]] = []
-    for name, m in model.named_modules():
-        if not isinstance(m, nn.ModuleList) or any(name.startswith(b + ".") for b, _ in blocks):
-            continue
-        blocks += [(f"{name}.{k}" if name else k, child) for k, child in m.named_children()]
-    return blocks
+def check_wrap_policy(owner: str, table: str, policy: str, wrap_classes: tuple,
+                      min_params: int) -> None:
+    """Raise UsageError (a ValueError) if the policy fields of options class ``owner`` (config
+    table ``table``) do not fit together; the options are built after MPI started, so the
+    CLI prints the sentence."""
+    if policy not in WRAP_POLICIES:
+        raise UsageError(f"{owner}.auto_wrap_policy = {policy!r}: expected one of "
+                         f"{', '.join(repr(p) for p in WRAP_POLICIES)}")
+    if not isinstance(wrap_classes, tuple):
+        raise TypeError(f"{owner}.wrap_classes = {wrap_classes!r}: expected a tuple of class "
+                        "names, e.g. ('GPTBlock',)")
+    if policy == "class" and not wrap_classes:
+        raise UsageError(f"{owner}.auto_wrap_policy = 'class' needs wrap_classes, e.g. "
+                         f"('GPTBlock',) (--set {table}.wrap_classes=GPTBlock)")
+    if policy == "size" and (not isinstance(min_params, int) or min_params < 1):
+        raise UsageError(f"{owner}.auto_wrap_policy = 'size' needs min_params >= 1, got "
+                         f"{min_params!r} (--set {table}.min_params=100000)")
+
+
+def wrapped_modules(model: nn.Module, opts) -> list[tuple[str, nn.Module]]:
+    """The (qualified name, module) pairs the options' auto-wrap policy makes units of (root
+    excluded). ``opts`` has ``auto_wrap_policy``, ``wrap_classes`` and ``min_params``
+    (FSDPOptions, ZeroOptions). Containers (ModuleList, ModuleDict) are never units: their
+    forward never runs, so their parameters would never be gathered."""
+    policy = opts.auto_wrap_policy
+    if policy == "none":
+        return []
+    if policy == "blocks":
+        return find_blocks(model)
+    if policy == "class":
+        return _by_class(model, set(opts.wrap_classes))
+    return _by_size(model, opts.min_params)
+
+
+def rebind(model: nn.Module, wrapped: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The same units, by name, in model after some of its layers were swapped (e.g. for
+    SyncBatchNorm): hooks must go on the modules that run."""
+    return [(name, model.get_submodule(name)) for name, _ in wrapped]
+
+
+def _by_class(model: nn.Module, wanted: set) -> list[tuple[str, nn.Module]]:
+    out = [(n, m) for n, m in model.named_modules() if n and type(m).__name__ in wanted]
+    containers = sorted({type(m).__name__ for _, m in out if is_container(m)})
+    if containers:
+        raise UsageError(f"auto-wrap classes {containers} are containers without a forward of "
+                         f"their own, so their units would never be gathered; name the class "
+                         f"of their elements instead (e.g. the block class)")
+    found = {type(m).__name__ for _, m in out}
+    if wanted - found:
+        names = sorted({type(m).__name__ for m in model.modules()})
+        raise UsageError(f"auto-wrap classes {sorted(wanted - found)} match no module of "
+                         f"{type(model).__name__}; its module classes are {names}; fix: set "
+                         f"wrap_classes to some of those")
+    return out
+
+
+def _by_size(model: nn.Module, min_params: int) -> list[tuple[str, nn.Module]]:
+    # Post-order, as torch's size_based_auto_wrap_policy: a module is wrapped when its
+    # trainable parameters not already inside a wrapped child reach min_params; containers
+    # pass their count up to their parent. A tied parameter counts once, where the walk
+    # meets it first.
+    out: list = []
+    seen: set = set()
+
+    def visit(name: str, m: nn.Module) -> int:
+        left = sum(visit(f"{name}.{k}" if name else k, c) for k, c in m.named_children())
+        for p in m.parameters(recurse=False):
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                left += p.numel()
+        if name and left >= min_params and not is_container(m):
+            out.append((name, m))
+            return 0
+        return left
+
+    visit("", model)
+    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    return sorted(out, key=lambda nm: order[nm[0]])
 
 
 def partition(model: nn.Module, per_block: bool = True) -> tuple[list[UnitSpec], list]:
-    """Return (units with trainable parameters, frozen (name, parameter) pairs).
+    """Return (units with trainable parameters, frozen (name, parameter) pairs), one unit per
+    block; ``per_block=False`` puts every trainable parameter in the root unit.
 
-    Tied parameters appear once, under the first name ``named_parameters`` gives them;
-    ``per_block=False`` puts every trainable parameter in the root unit.
+    Tied parameters appear once, under the first name ``named_parameters`` gives them.
     """
-    return partition_modules(model, _blocks(model) if per_block else [])
+    return partition_modules(model, find_blocks(model) if per_block else [])
 
 
 def partition_modules(model: nn.Module, wrapped: list[tuple[str, nn.Module]]

@@ -1,8 +1,8 @@
 """ZeRO stages 1, 2 and 3, hand-written over the Communicator (MPI ranks now, NCCL later).
 
-Trainable parameters are flattened per unit (one unit per repeated block plus a root; see
-``units.py``) into buffers padded to a multiple of the world size; rank r owns the r-th
-slice, and the optimizer steps only those shard parameters.
+Trainable parameters are flattened per unit (by default one per block plus a root; the
+auto-wrap policies of ``units.py``, as fsdp) into buffers padded to a multiple of the world
+size; rank r owns the r-th slice, and the optimizer steps only those shard parameters.
 
 - stage 1: full gradients on every rank, reduce-scattered (SUM) at the step; after the
   step the updated shards are all-gathered back into the full buffers.
@@ -17,7 +17,7 @@ the same structure (the same parameters used), which data parallel training give
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
@@ -26,27 +26,54 @@ from hpctrain.parallel.flat_buffer import FlatUnit
 from hpctrain.parallel.sharding.engine import ShardedModel, ShardPlan, broadcast_state
 from hpctrain.parallel.sharding.schedule import GatherSchedule
 from hpctrain.parallel.sync_batchnorm import convert_sync_batchnorm
-from hpctrain.parallel.units import partition
+from hpctrain.parallel.units import check_wrap_policy, partition_modules, rebind, \
+    wrapped_modules
 
-__all__ = ["ZeroOptions", "wrap"]
+__all__ = ["ZeroOptions", "options_for", "wrap"]
 
 
 @dataclass(frozen=True)
 class ZeroOptions:
-    """ZeRO stage (1: optimizer state, 2: + gradients, 3: + parameters sharded), micro-batches
-    per step, and whether BatchNorm layers use global-batch statistics."""
+    """ZeRO stage (1: optimizer state, 2: + gradients, 3: + parameters sharded; None: taken
+    from the strategy name by ``options_for``), micro-batches per step, whether BatchNorm
+    layers use global-batch statistics, and the units' auto-wrap policy (as FSDPOptions:
+    "blocks", "class" + ``wrap_classes``, "size" + ``min_params``, "none")."""
 
-    stage: int = 1
+    stage: int | None = None
     grad_accum: int = 1
     sync_batchnorm: bool = True
+    auto_wrap_policy: str = "blocks"
+    wrap_classes: tuple = ()
+    min_params: int = 0
 
     def __post_init__(self):
-        if self.stage not in (1, 2, 3):
+        if self.stage not in (None, 1, 2, 3):
             raise ValueError(f"ZeroOptions.stage = {self.stage!r}: expected 1, 2 or 3 "
                              "(strategies zero1, zero2, zero3)")
         if not isinstance(self.grad_accum, int) or self.grad_accum < 1:
             raise ValueError(f"ZeroOptions.grad_accum = {self.grad_accum!r}: expected an int >= 1 "
                              "(the number of backward calls per step)")
+        check_wrap_policy("ZeroOptions", "zero", self.auto_wrap_policy, self.wrap_classes,
+                          self.min_params)
+
+
+def options_for(strategy: str, options: ZeroOptions | None) -> ZeroOptions:
+    """The options of strategy 'zero1', 'zero2' or 'zero3': the name's stage filled in;
+    ValueError when the options name another stage."""
+    stage = int(strategy[-1])
+    if options is None:
+        return ZeroOptions(stage=stage)
+    if not isinstance(options, ZeroOptions):
+        raise TypeError(f"strategy {strategy!r} takes ZeroOptions, got "
+                        f"{type(options).__name__}")
+    if options.stage is None:
+        return replace(options, stage=stage)
+    if options.stage != stage:
+        raise ValueError(f"strategy {strategy!r} with ZeroOptions(stage={options.stage}): the "
+                         f"name and the options ask for different stages; pass "
+                         f"ZeroOptions(stage={stage}) (or no stage) or strategy "
+                         f"'zero{options.stage}'")
+    return options
 
 
 class Zero(ShardedModel):
@@ -62,12 +89,17 @@ class Zero(ShardedModel):
 def wrap(model: nn.Module, make_optimizer: OptimizerFactory, world, options: ZeroOptions | None = None
          ) -> Parallelized:
     """Shard model and optimizer over all ranks with ZeRO (collective over the world)."""
-    opts = options or ZeroOptions()
+    if options is None or options.stage is None:
+        raise ValueError(f"zero.wrap needs the stage: got {options!r}; pass ZeroOptions(stage=1, "
+                         "2 or 3), or use parallel.wrap('zero2', ...) (hpctrain.parallelize), "
+                         "which takes it from the name")
+    opts = options
+    wrapped = wrapped_modules(model, opts)  # a bad policy fails here, on every rank alike
     model.to(world.device)
     if opts.sync_batchnorm:  # batch statistics of the global batch, as in one process
         model = convert_sync_batchnorm(model, world.comm)
     broadcast_state(model, world.comm)
-    specs, frozen = partition(model)
+    specs, frozen = partition_modules(model, rebind(model, wrapped))
     units = [FlatUnit(s.name, s.params, world.comm, keep_full=opts.stage < 3) for s in specs]
     schedule = GatherSchedule(specs, units) if opts.stage == 3 else None
     return Zero(model, make_optimizer, world, units, frozen, opts, schedule)

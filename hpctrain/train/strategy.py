@@ -34,8 +34,12 @@ def strategy_options(cfg: Config):
     if s in ("zero1", "zero2", "zero3"):
         from hpctrain.parallel.zero import ZeroOptions
 
+        z = cfg.zero
         return ZeroOptions(stage=int(s[-1]), grad_accum=cfg.train.grad_accum,
-                           sync_batchnorm=cfg.zero.sync_batchnorm)
+                           sync_batchnorm=z.sync_batchnorm, auto_wrap_policy=z.auto_wrap_policy,
+                           wrap_classes=tuple(c.strip() for c in z.wrap_classes.split(",")
+                                              if c.strip()),
+                           min_params=z.min_params)
     if s == "pipeline":
         from hpctrain.parallel.pipeline import PipelineOptions
 

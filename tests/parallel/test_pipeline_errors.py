@@ -1,8 +1,11 @@
 """Bad pipeline setups fail with one clear error before any communication."""
 
 import pytest
+from torch import nn
 
 from hpctrain.config import Config, ConfigError
+from hpctrain.models.gpt import GPT
+from hpctrain.parallel.pipeline.strategy import _as_stack
 from hpctrain.train.trainer import build_model
 from tests.mpirun import run_mpi
 
@@ -75,3 +78,12 @@ def test_cli_reports_one_error_for_too_many_stages():
     assert proc.returncode != 0
     assert proc.stderr.count("hpctrain: error:") == 1, proc.stderr
     assert "needs 6 stages" in proc.stderr and "only 3 layers" in proc.stderr, proc.stderr
+
+
+def test_wrap_takes_a_sequential_and_names_what_it_expects_otherwise():
+    stack = _as_stack(nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1)))
+    assert [layer.name for layer in stack.layers] == ["0", "1", "2"]
+    with pytest.raises(TypeError, match="got GPT.*nn.Sequential of its layers"):
+        _as_stack(GPT())
+    with pytest.raises(TypeError, match="takes an nn.Sequential or a .*LayerStack, got dict"):
+        _as_stack({})

@@ -1,14 +1,23 @@
-"""Units, flat buffers and options of the sharded strategies, without MPI."""
+"""Units, wrap policies, flat buffers and options of the sharded strategies (and the
+strategy name checks of parallel.wrap), without MPI."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from hpctrain import parallel
 from hpctrain.config import load_config
+from hpctrain.errors import UsageError
 from hpctrain.models.gpt import GPT
 from hpctrain.parallel.flat_buffer import FlatUnit
-from hpctrain.parallel.units import partition
-from hpctrain.parallel.zero import ZeroOptions
+from hpctrain.parallel.fsdp import FSDPOptions
+from hpctrain.parallel.single import wrap as single_wrap
+from hpctrain.parallel.units import partition, partition_modules, wrapped_modules
+from hpctrain.parallel.zero import ZeroOptions, options_for
+from hpctrain.parallel.zero import wrap as zero_wrap
 from hpctrain.train.strategy import strategy_options
+from tests.fixtures import resnetish, vitish
 from tests.fixtures.awkward import AwkwardNet
 
 
@@ -75,6 +84,61 @@ def test_zero_options_are_checked_and_built_from_the_config():
         ZeroOptions(stage=4)
     with pytest.raises(ValueError, match="grad_accum"):
         ZeroOptions(grad_accum=0)
+    with pytest.raises(ValueError, match="wrap_classes"):
+        ZeroOptions(auto_wrap_policy="class")
+    with pytest.raises(ValueError, match="min_params"):
+        ZeroOptions(auto_wrap_policy="size")
     cfg = load_config(None, [{"train": {"strategy": "zero2", "grad_accum": 2},
                               "zero": {"sync_batchnorm": False}}])
     assert strategy_options(cfg) == ZeroOptions(stage=2, grad_accum=2, sync_batchnorm=False)
+    cfg = load_config(None, [{"train": {"strategy": "zero3"},
+                              "zero": {"auto_wrap_policy": "class",
+                                       "wrap_classes": "BasicBlock, Block"}}])
+    assert strategy_options(cfg) == ZeroOptions(stage=3, auto_wrap_policy="class",
+                                                 wrap_classes=("BasicBlock", "Block"))
+
+
+def test_the_strategy_name_gives_the_stage_and_options_must_not_contradict_it():
+    assert options_for("zero3", None) == ZeroOptions(stage=3)
+    assert options_for("zero2", ZeroOptions(grad_accum=2)) == ZeroOptions(stage=2, grad_accum=2)
+    assert options_for("zero1", ZeroOptions(stage=1)) == ZeroOptions(stage=1)
+    with pytest.raises(ValueError, match="ZeroOptions\\(stage=3\\)"):
+        options_for("zero3", ZeroOptions(stage=1))
+    with pytest.raises(TypeError, match="ZeroOptions"):
+        options_for("zero2", FSDPOptions())
+    with pytest.raises(ValueError, match="needs the stage"):
+        zero_wrap(torch.nn.Linear(2, 2), None, None, ZeroOptions())
+    # parallelize() goes through parallel.wrap: refused before the world is touched.
+    with pytest.raises(ValueError, match="different stages"):
+        parallel.wrap("zero3", torch.nn.Linear(2, 2), None, None, ZeroOptions(stage=1))
+
+
+def test_single_refuses_a_world_of_several_ranks():
+    world = SimpleNamespace(size=2, device=torch.device("cpu"))
+    with pytest.raises(UsageError, match="strategy 'single' on 2 ranks.*ddp"):
+        single_wrap(torch.nn.Linear(2, 2), lambda ps: torch.optim.SGD(ps, lr=0.1), world)
+
+
+def _unit_names(model, **policy):
+    units, _ = partition_modules(model, wrapped_modules(model, ZeroOptions(stage=3, **policy)))
+    return [u.name for u in units]
+
+
+def test_blocks_in_sequential_stages_are_units_as_modulelist_elements_are():
+    # torchvision ResNet's BasicBlocks in layer1..4 and timm ViT's blocks: one unit each, not
+    # one root unit holding the whole model.
+    assert _unit_names(resnetish.ResNetish()) == resnetish.BLOCKS + ["<root>"]
+    assert _unit_names(vitish.ViTish()) == [f"blocks.{i}" for i in range(vitish.DEPTH)] + ["<root>"]
+    assert _unit_names(resnetish.ResNetish(), auto_wrap_policy="class",
+                       wrap_classes=("BasicBlock",)) == resnetish.BLOCKS + ["<root>"]
+    assert _unit_names(vitish.ViTish(), auto_wrap_policy="none") == ["<root>"]
+
+
+def test_no_policy_makes_a_unit_of_a_container():
+    # GPT blocks hold 28272 params: each MLP (18672) is wrapped, each block's rest (9600)
+    # is not; the ModuleList holding both rests (19200) has no forward and must not be a unit.
+    wrapped = [n for n, _ in wrapped_modules(GPT(), ZeroOptions(auto_wrap_policy="size",
+                                                                min_params=10000))]
+    assert wrapped == ["blocks.0.mlp", "blocks.1.mlp"]
+    with pytest.raises(UsageError, match="ModuleList.*containers"):
+        wrapped_modules(GPT(), ZeroOptions(auto_wrap_policy="class", wrap_classes=("ModuleList",)))

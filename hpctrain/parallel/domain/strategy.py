@@ -41,8 +41,9 @@ def domain_layout(mesh: str, world_size: int):
 class DomainParallel(Parallelized):
     name = "domain"
 
-    def __init__(self, model, optimizer, grid: DomainGrid, batch_comm, dp_rank: int, dp_size: int):
-        super().__init__(model, optimizer)
+    def __init__(self, model, optimizer, grid: DomainGrid, batch_comm, dp_rank: int, dp_size: int,
+                 job_comm=None):
+        super().__init__(model, optimizer, job_comm)
         self.grid = grid
         self.batch_comm = batch_comm
         self.dp_rank, self.dp_size = dp_rank, dp_size
@@ -50,11 +51,11 @@ class DomainParallel(Parallelized):
         self._shapes = None  # global spatial shapes of the current batch's (x, y)
 
     def data_shard(self, world) -> tuple[int, int]:
-        """Samples are split over dp only; the dom ranks of a dp group share them."""
+        """Samples are split over dp only; the dom ranks of a dp group share them (local)."""
         return self.dp_rank, self.dp_size
 
     def load_batch(self, dataset, indices):
-        """Read this rank's tile of each sample (hyperslabs only when the data set can)."""
+        """Read this rank's tile of each sample (hyperslabs only when the data set can); local."""
         nd = self.grid.ndim
         if hasattr(dataset, "read_tile") and hasattr(dataset, "spatial_shape"):
             glob = tuple(dataset.spatial_shape)
@@ -74,6 +75,8 @@ class DomainParallel(Parallelized):
         return t[(Ellipsis,) + tuple(slice(a, b) for a, b in zip(lo, hi))].contiguous()
 
     def forward_backward(self, micro_batches, loss_fn, precision) -> float:
+        """Each micro-batch's loss on this rank's tiles, weighted by the tile's share of the
+        grid (collective: halo exchanges)."""
         local = 0.0
         for x, y, weight in micro_batches:
             gx, gy = self._shapes
@@ -134,4 +137,4 @@ def wrap(model: nn.Module, make_optimizer: OptimizerFactory, world,
     # pp = tp = 1, so the ranks holding parts of the global batch are the whole world.
     model = to_domain(model, grid, world.comm, overlap=opts.overlap)
     return DomainParallel(model, make_optimizer(model.parameters()), grid, world.comm,
-                          mesh.coords["dp"], mesh.size("dp"))
+                          mesh.coords["dp"], mesh.size("dp"), world.host)

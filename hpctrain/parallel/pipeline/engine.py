@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
+from hpctrain.models.recompute import checkpoint_without_stat_updates
 from hpctrain.parallel.pipeline import p2p_plan
 from hpctrain.parallel.pipeline.p2p import StageLinks
 from hpctrain.parallel.pipeline.schedule import Action
@@ -39,7 +39,9 @@ class Engine:
     def _forward_chunk(self, c: int, x):
         for layer in self.chunks[c]:
             if self.recompute:
-                x = checkpoint(layer.forward, self.root, x, use_reentrant=False)
+                # The recompute runs only this layer: freezing the stage's BatchNorm
+                # statistics freezes this layer's.
+                x = checkpoint_without_stat_updates(self.root, layer.forward, self.root, x)
             else:
                 x = layer.forward(self.root, x)
         return x

@@ -10,12 +10,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hpctrain.errors import UsageError
+from hpctrain.models.layers import LayerStack, from_sequential
 from hpctrain.parallel.base import OptimizerFactory, Parallelized
 from hpctrain.parallel.pipeline import plan, schedule as sched
 from hpctrain.parallel.pipeline.dp_shards import DP_SHARDINGS, DPShards
 from hpctrain.parallel.pipeline.engine import Engine
 from hpctrain.parallel.pipeline import p2p_plan
 from hpctrain.parallel.pipeline.p2p import P2P_MODES, StageLinks, ordered_mode
+from hpctrain.parallel.sharding.engine import broadcast_state
 
 __all__ = ["PipelineOptions", "Pipelined", "wrap", "resolve_layout"]
 
@@ -60,8 +63,8 @@ class Pipelined(Parallelized):
 
     def __init__(self, stack, root: nn.Module, owned: list[int], engine: Engine, actions,
                  optimizer, pp, dp, tied_comm, tied_local: list, opts: PipelineOptions,
-                 shards=None):
-        super().__init__(root, optimizer)
+                 shards=None, job_comm=None):
+        super().__init__(root, optimizer, job_comm)
         self.shards = shards            # DPShards (zero1/zero2 over dp) or None (ddp)
         self._grad_bytes = 0
         self.stack, self.owned, self.engine, self.actions = stack, owned, engine, actions
@@ -72,10 +75,12 @@ class Pipelined(Parallelized):
 
     # -- data: ranks of one pipeline share the data of their dp replica --
     def data_shard(self, world) -> tuple[int, int]:
+        """The dp replica's share: every stage of a pipeline reads the same samples (local)."""
         return self.dp.rank, self.dp.size
 
     def forward_backward(self, micro_batches, loss_fn, precision) -> float:
-        """Cut each micro-batch into pipeline.microbatches pieces and run the schedule."""
+        """Cut each micro-batch into pipeline.microbatches pieces and run the schedule
+        (collective: the stages exchange activations and gradients)."""
         m, local = self.opts.microbatches, 0.0
         for (x, y, weight), last in _with_last(micro_batches):
             n = x.shape[0]
@@ -121,14 +126,15 @@ class Pipelined(Parallelized):
                                for p in self.model.parameters() if p.grad is not None)
 
     def step(self, scaler=None, max_grad_norm: float = 0.0) -> None:
-        """ddp: the base step over full gradients; zero1/zero2: the shards step (dp_shards)."""
+        """ddp: the base step over full gradients; zero1/zero2: the shards step (dp_shards);
+        collective."""
         if self.shards is None:
             return super().step(scaler, max_grad_norm)
         return self.shards.step(scaler, max_grad_norm)
 
     def memory_report(self) -> dict:
         """Bytes this rank holds for params, gradients (alive at the last step) and optimizer
-        state; with dp_sharding zero1/zero2 the optimizer (and zero2 grads) are 1/dp."""
+        state; with dp_sharding zero1/zero2 the optimizer (and zero2 grads) are 1/dp; local."""
         if self.shards is not None:
             rep = self.shards.memory_report()
         else:
@@ -155,15 +161,17 @@ class Pipelined(Parallelized):
         return math.sqrt(self._pp_sum(sq))
 
     def param_norm(self) -> float:
+        """Global L2 norm of the whole model's parameters (stages summed); collective."""
         with torch.no_grad():
             sq = sum(float(p.detach().double().pow(2).sum()) for _, p in self._canonical())
-        return math.sqrt(self._pp_sum(sq))
+        return math.sqrt(self._agree(self._pp_sum(sq)))
 
     def buffer_norm(self) -> float:
+        """Global L2 norm of the whole model's floating buffers (stages summed); collective."""
         with torch.no_grad():
             sq = sum(float(b.detach().double().pow(2).sum()) for b in self.model.buffers()
                      if b.is_floating_point())
-        return math.sqrt(self._pp_sum(sq))
+        return math.sqrt(self._agree(self._pp_sum(sq)))
 
     # -- checkpoints: every rank describes every tensor of the WHOLE model --
     def _whole(self) -> nn.Module:
@@ -218,6 +226,31 @@ class Pipelined(Parallelized):
             v = self.optimizer.state.get(p, {}).get(k) if p is not None else None
             entries.append(self._entry(f"optim/{name}/{k}", shape, dtype, v))
         return entries
+
+    def _full_state(self) -> dict:
+        """The whole model's state: each tensor broadcast over pp from the first stage that
+        holds it (collective over the pipeline group; dp replicas hold the same values)."""
+        local = self.model.state_dict(keep_vars=True)
+        held = [set(keys) for keys in _allgather_json(self.pp, sorted(local))]
+        whole = self._whole().state_dict(keep_vars=True)
+        keys_of: dict = {}
+        for key, t in whole.items():
+            keys_of.setdefault(id(t), (t, []))[1].append(key)  # tied: one tensor, several keys
+        out = {}
+        for t, keys in keys_of.values():
+            src = next((r for r, h in enumerate(held) if h.intersection(keys)), None)
+            if src is None:
+                raise RuntimeError(f"no pipeline stage holds {keys}; the stages do not cover "
+                                   "the model")
+            if src == self.pp.rank:
+                buf = local[next(k for k in keys if k in local)].detach().to(self.pp.device,
+                                                                              copy=True)
+            else:
+                buf = torch.empty(t.shape, dtype=t.dtype, device=self.pp.device)
+            self.pp.broadcast(buf, root=src)
+            value = buf.cpu()
+            out.update({k: value for k in keys})
+        return {k: out[k] for k in whole}
 
     def state_meta(self) -> dict:
         whole = self._whole()
@@ -287,6 +320,8 @@ def _layer_costs(stack, opts: PipelineOptions, pp, dp):
     with_loss = loss_fn is not None and target is not None
     for i, layer in enumerate(stack.layers):
         root = stack.build([i]).to(x.device)
+        # A Sequential's layers are the model's own modules: time them without training them.
+        before = {k: v.detach().clone() for k, v in root.state_dict().items()}
         times = []
         for _ in range(3):
             inp = x.detach().requires_grad_(x.is_floating_point())
@@ -299,6 +334,10 @@ def _layer_costs(stack, opts: PipelineOptions, pp, dp):
             times.append(time.perf_counter() - t0)
         costs[0, i] = sorted(times)[1]
         x = out.detach()
+        with torch.no_grad():
+            for k, v in root.state_dict().items():
+                v.copy_(before[k])
+        root.zero_grad(set_to_none=True)
         del root
     if dp.size > 1:
         dp.allreduce(costs, op="max")
@@ -307,8 +346,64 @@ def _layer_costs(stack, opts: PipelineOptions, pp, dp):
     return costs.tolist()
 
 
+def _as_stack(model) -> LayerStack:
+    """A LayerStack as given; an nn.Sequential one layer per child (ties declared)."""
+    if isinstance(model, LayerStack):
+        return model
+    if isinstance(model, nn.Module):
+        return from_sequential(model)  # TypeError naming what is expected for other modules
+    raise TypeError(f"the pipeline strategy takes an nn.Sequential or a models.layers.LayerStack, "
+                    f"got {type(model).__name__}")
+
+
+def _tied_copies(stack: LayerStack, root: nn.Module) -> dict:
+    """{owner's name: this rank's copy} of the trainable parameters tied across stages."""
+    local = dict(root.named_parameters(remove_duplicate=False))
+    out = {}
+    for alias, owner in stack.tied.items():
+        has_alias, has_owner = alias in local, owner in local
+        shared = has_alias and has_owner and local[alias] is local[owner]
+        p = local[alias if has_alias else owner] if has_alias or has_owner else None
+        if p is not None and not shared and p.requires_grad:
+            out.setdefault(owner, p)
+    return out
+
+
+def _check_tied_groups(pp, copies: dict) -> None:
+    """Every stage holding a tied copy must hold the same ones: their gradients are summed
+    in one group, tensor by tensor (collective over pp; all ranks raise alike)."""
+    held = [names for names in _allgather_json(pp, sorted(copies)) if names]
+    if any(names != held[0] for names in held):
+        raise UsageError(f"parameters tied across pipeline stages form different groups "
+                         f"({held}); the pipeline sums tied gradients over one group of stages "
+                         f"only. Fix: tie one set of parameters (e.g. embedding and head), or "
+                         f"set pipeline.split_points so tied layers share a stage")
+
+
+def _tie_stages(stack: LayerStack, root: nn.Module, pp):
+    """(communicator over the stages holding tied copies or None, this rank's copies): the
+    copies start from the first holder's values, and the step sums their gradients over
+    that communicator (collective over pp)."""
+    copies = _tied_copies(stack, root)
+    _check_tied_groups(pp, copies)
+    tied_local = [copies[name] for name in sorted(copies)]  # one order on every holder
+    flags = torch.tensor([1 if tied_local else 0], dtype=torch.int64, device=pp.device)
+    holders = pp.allgather(flags).tolist() if pp.size > 1 else flags.tolist()
+    if not any(holders):
+        return None, tied_local
+    sub = pp.split(0 if tied_local else None, key=pp.rank)
+    if not tied_local:
+        return None, tied_local
+    with torch.no_grad():
+        for t in tied_local:
+            sub.broadcast(t.detach(), root=0)
+    return sub, tied_local
+
+
 def wrap(stack, make_optimizer: OptimizerFactory, world, options: PipelineOptions | None = None):
-    """Build this rank's stage(s) of ``stack`` (a LayerStack) and the schedule (collective)."""
+    """Build this rank's stage(s) of ``stack`` (a LayerStack, or an nn.Sequential split one
+    layer per child) and the schedule (collective)."""
+    stack = _as_stack(stack)
     opts = options or PipelineOptions()
     if opts.dp_sharding not in DP_SHARDINGS:  # pure: before any collective
         raise ValueError(f"pipeline.dp_sharding = {opts.dp_sharding!r}: expected one of "
@@ -336,20 +431,9 @@ def wrap(stack, make_optimizer: OptimizerFactory, world, options: PipelineOption
     owned = [i for g in my_stages for i in groups[g]]
     root = stack.build(owned).to(world.device)
     chunks = [[stack.layers[i] for i in groups[g]] for g in my_stages]
-    # Tied parameters split over stages: the owner's and the copy's ranks sum their grads.
-    tied_local, holders = [], set()
-    local_names = dict(root.named_parameters(remove_duplicate=False))
-    for alias, owner in stack.tied.items():
-        has_alias, has_owner = alias in local_names, owner in local_names
-        shared = has_alias and has_owner and local_names[alias] is local_names[owner]
-        if (has_alias or has_owner) and not shared:
-            tied_local.append(local_names[alias if has_alias else owner])
-    flags = torch.tensor([1 if tied_local else 0], dtype=torch.int64, device=pp.device)
-    holders = pp.allgather(flags).tolist() if pp.size > 1 else flags.tolist()
-    tied_comm = None
-    if any(holders):
-        sub = pp.split(0 if tied_local else None, key=pp.rank)
-        tied_comm = sub if tied_local else None
+    # One start everywhere, whatever the user's init did (a Sequential built on every rank).
+    broadcast_state(root, dp)
+    tied_comm, tied_local = _tie_stages(stack, root, pp)
     links = StageLinks(pp, p * v, world.device, ordered)
     engine = Engine(root, chunks, links, pp.rank, p, opts.activation_checkpointing)
     shards = None
@@ -359,7 +443,7 @@ def wrap(stack, make_optimizer: OptimizerFactory, world, options: PipelineOption
         engine.after_backward = shards.after_backward
     optimizer = shards.optimizer if shards is not None else make_optimizer(root.parameters())
     par = Pipelined(stack, root, owned, engine, actions_all[pp.rank], optimizer, pp, dp,
-                    tied_comm, tied_local, opts, shards)
+                    tied_comm, tied_local, opts, shards, world.host)
     if world.is_main:
         split = " | ".join(f"{g}:{names[grp[0]]}..{names[grp[-1]]}" for g, grp in enumerate(groups))
         print(f"hpctrain: pipeline pp={p} dp={dp.size} schedule={opts.schedule} "

@@ -85,7 +85,7 @@ class ShardedModel(Parallelized):
         self._final = True
         self._peak_transient = 0
         self._grad_bytes = 0
-        super().__init__(model, make_optimizer([u.shard for u in units]))
+        super().__init__(model, make_optimizer([u.shard for u in units]), world.host)
         for i, st in enumerate(self._states):
             u = st.unit
             if plan.persistent_grads:
@@ -94,11 +94,14 @@ class ShardedModel(Parallelized):
                 u.point_grads(st.grad_buf)
             for j, s in enumerate(u.slots):
                 s.param.register_post_accumulate_grad_hook(partial(self._on_grad, i, j))
+        if plan.on_demand:
+            _guard_freed_params(model, units)
 
     # ---- backward ----------------------------------------------------------------------
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Accumulate gradients of loss; on a step's last micro-batch reduce them per unit."""
+        """Accumulate gradients of loss; on a step's last micro-batch reduce them per unit
+        (collective)."""
         self._final = self._micro + 1 >= self.plan.grad_accum
         for st in self._states:
             st.arrived = set()
@@ -206,7 +209,8 @@ class ShardedModel(Parallelized):
             u.gather()
 
     def step(self, scaler=None, max_grad_norm: float = 0.0) -> None:
-        """Reduce-scatter gradients, unscale/clip over shards, step the shards, re-gather."""
+        """Reduce-scatter gradients, unscale/clip over shards, step the shards, re-gather
+        (collective)."""
         self._sync_grads()
         untouched = self._untouched()
         if scaler is not None:
@@ -322,20 +326,31 @@ class ShardedModel(Parallelized):
                 self.optimizer.state[u.shard] = state
         self._load_param_groups(reader)
 
+    def _gathered(self) -> dict:
+        """Each unit's shards all-gathered (collective over the shard group): the masters'
+        values, not low-precision compute copies, and never the freed full buffers."""
+        gathered = {}
+        for u in self.units:
+            full = self.comm.allgather(u.shard.detach().to(self.comm.device)).cpu()
+            for s in u.slots:
+                gathered[id(s.param)] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
+        return gathered
+
     # ---- norms and memory --------------------------------------------------------------
 
     def param_norm(self) -> float:
-        """Global L2 norm of all parameters: shards summed over ranks, frozen ones once."""
+        """Global L2 norm of all parameters: shards summed over ranks, frozen ones once;
+        collective."""
         with torch.no_grad():
             sq = sum(float(u.shard.detach().double().pow(2).sum()) for u in self.units)
             sq = self._shard_sum([sq])[0]
             sq += sum(float(p.detach().double().pow(2).sum()) for _, p in self.frozen)
-        return math.sqrt(sq)
+        return math.sqrt(self._agree(sq))
 
     def memory_report(self) -> dict:
         """Bytes this rank holds for trainable params and optimizer state, the gradients alive
         at the last step, the largest transient buffers (a gathered unit, a gradient bucket)
-        and the frozen (replicated) params."""
+        and the frozen (replicated) params; local."""
         on_demand = self.plan.on_demand
         params = nbytes([u.full for u in self.units if not on_demand] +
                         [u.shard for u in self.units])
@@ -352,6 +367,37 @@ class ShardedModel(Parallelized):
                 "peak_gathered": self.schedule.peak_gathered if self.schedule else 0,
                 "transient_grad_bucket": self._peak_transient,
                 "frozen_params": nbytes([p for _, p in self.frozen])}
+
+
+def _guard_freed_params(model: nn.Module, units: list) -> None:
+    """Make state_dict()/load_state_dict() of any module holding on-demand unit parameters
+    raise while those are freed (their storage is released: reading it would crash)."""
+    unit_of = {id(s.param): u for u in units for s in u.slots}
+    for m in model.modules():
+        mine = list({id(unit_of[id(p)]): unit_of[id(p)] for p in m.parameters()
+                     if id(p) in unit_of}.values())
+        if mine:
+            m.register_state_dict_pre_hook(partial(_refuse_state_dict, mine))
+            m.register_load_state_dict_pre_hook(partial(_refuse_load_state_dict, mine))
+
+
+_FREED = ("the model's parameters are sharded (zero3 / fsdp FULL_SHARD, SHARD_GRAD_OP, "
+          "HYBRID_SHARD): between steps each rank holds only its shard and the full tensors are "
+          "freed")
+
+
+def _refuse_state_dict(units, module, prefix, keep_vars) -> None:
+    if not keep_vars and not all(u.gathered for u in units):
+        raise RuntimeError(f"state_dict() called on a sharded model: {_FREED}; call "
+                           f"par.full_state_dict() on every rank (collective; rank0_only=True "
+                           f"returns it on rank 0 only) for the consolidated state")
+
+
+def _refuse_load_state_dict(units, module, state_dict, prefix, *args) -> None:
+    if not all(u.gathered for u in units):
+        raise RuntimeError(f"load_state_dict() called on a sharded model: {_FREED}; load the "
+                           f"state into the model before parallelize(), or resume from an "
+                           f"hpctrain checkpoint")
 
 
 def reduce_scatter_grads(u: FlatUnit, comm, dtype: torch.dtype | None = None):
