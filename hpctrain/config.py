@@ -143,9 +143,9 @@ class FSDPSection:
     sharding_strategy: str = _f("FULL_SHARD", "FULL_SHARD (zero3 per unit), SHARD_GRAD_OP, "
                                 "NO_SHARD (replicas) or HYBRID_SHARD (shard in node, replicate "
                                 "across)", choices=FSDP_SHARDING)
-    auto_wrap_policy: str = _f("blocks", "units: blocks (ModuleList elements), class "
-                               "(wrap_classes), size (min_params) or none (one unit)",
-                               choices=FSDP_WRAP)
+    auto_wrap_policy: str = _f("blocks", "units: blocks (repeated blocks: ModuleList elements, "
+                               "an nn.Sequential's repeated children), class (wrap_classes), "
+                               "size (min_params) or none (one unit)", choices=FSDP_WRAP)
     wrap_classes: str = _f("", "comma-separated module class names for auto_wrap_policy=class, "
                            "e.g. GPTBlock")
     min_params: int = _f(0, "parameters per unit for auto_wrap_policy=size", min=0)
@@ -234,8 +234,8 @@ class Config:
                               f"are not divisible by it; launch a multiple of {rpn} ranks or "
                               f"change --ranks-per-node")
         self._validate_mesh(world_size)
-        if t.strategy == "fsdp":
-            self._validate_fsdp(world_size)
+        if t.strategy in ("fsdp", "zero1", "zero2", "zero3"):
+            self._validate_wrap(STRATEGY_SECTIONS[t.strategy][0])
         return self
 
     def _validate_tables_used(self) -> None:
@@ -274,14 +274,15 @@ class Config:
             return world_size  # _validate_mesh reports it
         return 1 if layout is None else layout.dp
 
-    def _validate_fsdp(self, world_size: int) -> None:
-        f = self.fsdp
-        if f.auto_wrap_policy == "class" and not f.wrap_classes.strip():
-            raise ConfigError("fsdp.auto_wrap_policy = 'class' needs fsdp.wrap_classes, e.g. "
-                              "--set fsdp.wrap_classes=GPTBlock")
-        if f.auto_wrap_policy == "size" and f.min_params < 1:
-            raise ConfigError(f"fsdp.auto_wrap_policy = 'size' needs fsdp.min_params >= 1, got "
-                              f"{f.min_params}; e.g. --set fsdp.min_params=100000")
+    def _validate_wrap(self, name: str) -> None:
+        """The unit policy of [fsdp] or [zero] has what it needs."""
+        s = getattr(self, name)
+        if s.auto_wrap_policy == "class" and not s.wrap_classes.strip():
+            raise ConfigError(f"{name}.auto_wrap_policy = 'class' needs {name}.wrap_classes, "
+                              f"e.g. --set {name}.wrap_classes=GPTBlock")
+        if s.auto_wrap_policy == "size" and s.min_params < 1:
+            raise ConfigError(f"{name}.auto_wrap_policy = 'size' needs {name}.min_params >= 1, "
+                              f"got {s.min_params}; e.g. --set {name}.min_params=100000")
 
     def _validate_mesh(self, world_size: int) -> None:
         from hpctrain.runtime.mesh import MeshLayout

@@ -149,3 +149,12 @@ def test_builtin_model_names_match_the_registry():
     from hpctrain.models.registry import BUILTIN
 
     assert sorted(BUILTIN_MODELS) == sorted(BUILTIN)
+
+
+@pytest.mark.parametrize("strategy, table", [("zero3", "zero"), ("fsdp", "fsdp")])
+def test_unit_policies_need_their_arguments_before_mpi(strategy, table):
+    for policy, words in (("class", f"{table}.wrap_classes"), ("size", f"{table}.min_params")):
+        cfg = load_config(None, [{"train": {"strategy": strategy, "global_batch_size": 8},
+                                  table: {"auto_wrap_policy": policy}}])
+        with pytest.raises(ConfigError, match=words):
+            cfg.validate(2)

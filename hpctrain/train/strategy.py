@@ -37,9 +37,7 @@ def strategy_options(cfg: Config):
         z = cfg.zero
         return ZeroOptions(stage=int(s[-1]), grad_accum=cfg.train.grad_accum,
                            sync_batchnorm=z.sync_batchnorm, auto_wrap_policy=z.auto_wrap_policy,
-                           wrap_classes=tuple(c.strip() for c in z.wrap_classes.split(",")
-                                              if c.strip()),
-                           min_params=z.min_params)
+                           wrap_classes=_class_names(z.wrap_classes), min_params=z.min_params)
     if s == "pipeline":
         from hpctrain.parallel.pipeline import PipelineOptions
 
@@ -64,8 +62,13 @@ def fsdp_options(cfg: Config):
 
     f = cfg.fsdp
     return FSDPOptions(sharding_strategy=f.sharding_strategy, auto_wrap_policy=f.auto_wrap_policy,
-                       wrap_classes=tuple(c.strip() for c in f.wrap_classes.split(",") if c.strip()),
+                       wrap_classes=_class_names(f.wrap_classes),
                        min_params=f.min_params, backward_prefetch=f.backward_prefetch,
                        param_dtype=f.param_dtype, reduce_dtype=f.reduce_dtype,
                        buffer_dtype=f.buffer_dtype, cpu_offload=f.cpu_offload,
                        grad_accum=cfg.train.grad_accum, sync_batchnorm=f.sync_batchnorm)
+
+
+def _class_names(text: str) -> tuple:
+    """'GPTBlock, MLPBlock' -> ('GPTBlock', 'MLPBlock')."""
+    return tuple(c.strip() for c in text.split(",") if c.strip())

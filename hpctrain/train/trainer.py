@@ -67,7 +67,7 @@ class Trainer:
         cfg.validate(world.size)
         t = cfg.train
         if t.activation_checkpointing and t.strategy != "pipeline":  # pipeline: per layer
-            checkpoint_blocks(self.built.model)
+            checkpoint_blocks(self.built.model, is_main=world.is_main)
         self.precision = Precision(t.precision, world.device)
         options = strategy_options(cfg)
         if t.strategy == "pipeline" and cfg.pipeline.balance == "measured":
