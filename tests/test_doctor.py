@@ -118,7 +118,7 @@ def test_cuda_forced_without_gpu(monkeypatch):
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     check = doctor.check_cuda({"HPCTRAIN_DEVICE": "cuda"})
-    assert not check.ok and "HPCTRAIN_DEVICE=cuda" in check.detail
+    assert not check.ok and "HPCTRAIN_DEVICE='cuda'" in check.detail
     assert "HPCTRAIN_DEVICE=cpu" in check.fix
     assert doctor.check_cuda({}).ok
 

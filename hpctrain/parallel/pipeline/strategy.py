@@ -403,13 +403,13 @@ def _tie_stages(stack: LayerStack, root: nn.Module, pp):
 def wrap(stack, make_optimizer: OptimizerFactory, world, options: PipelineOptions | None = None):
     """Build this rank's stage(s) of ``stack`` (a LayerStack, or an nn.Sequential split one
     layer per child) and the schedule (collective)."""
-    stack = _as_stack(stack)
     opts = options or PipelineOptions()
     if opts.dp_sharding not in DP_SHARDINGS:  # pure: before any collective
         raise ValueError(f"pipeline.dp_sharding = {opts.dp_sharding!r}: expected one of "
                          f"{', '.join(DP_SHARDINGS)}")
     if opts.p2p not in P2P_MODES:
         raise ValueError(f"pipeline.p2p = {opts.p2p!r}: expected one of {', '.join(P2P_MODES)}")
+    stack = _as_stack(stack)
     layout = resolve_layout(opts.mesh, world.size)
     p, v = layout.pp, opts.chunks
     plan.check_fits(len(stack), p, v, opts.schedule)       # pure: before any collective
