@@ -74,7 +74,8 @@ class Trainer:
                                           data_rank, data_ranks, t.grad_accum)
         self.start_step, self.history = 0, []
         c = cfg.checkpoint
-        resume = checkpoint.resolve_resume(c.resume, c.dir)
+        checkpoint.clean_stale(c.dir, world.mpi_comm)  # what saves that died left behind
+        resume = checkpoint.resolve_resume(c.resume, c.dir, world.mpi_comm)
         if resume:
             self.start_step, self.history = checkpoint.load_checkpoint(
                 resume, self.par, world, self.sampler, self.precision.scaler)
