@@ -80,7 +80,7 @@ def resolve_resume(resume: str, directory: str, comm=None) -> str | None:
     if not resume:
         return None
     if comm is None:
-        from mpi4py import MPI
+        from mpi4py import MPI  # importing it starts MPI: only for callers without a world
 
         comm = MPI.COMM_SELF
     if resume != "auto":
