@@ -290,11 +290,21 @@ def cmd_train(args) -> int:
 
 
 def cmd_ckpt(args) -> int:
+    """inspect or export; a bad file or output path is one ``hpctrain: error`` line."""
+    from hpctrain.checkpoint import CheckpointError
     from hpctrain.checkpoint.tools import export, inspect
 
-    if args.ckpt_command == "inspect":
-        return inspect(args.path)
-    return export(args.path, args.out)
+    try:
+        code = inspect(args.path) if args.ckpt_command == "inspect" else export(args.path, args.out)
+        sys.stdout.flush()  # a reader that went away (`| head`) shows here, where it is handled
+        return code
+    except CheckpointError as exc:
+        print(f"hpctrain: error: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        # As any Unix tool: stop quietly; point stdout at /dev/null so the exit flush is silent.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool the pipe closed on
 
 
 def cmd_bench(args) -> int:

@@ -4,10 +4,14 @@ Strategies describe tensors (``Parallelized.state_entries``); this package does 
 never imports a strategy. See README "Checkpoints".
 """
 
+from hpctrain.checkpoint.commit import clean_stale
 from hpctrain.checkpoint.layout import Entry
-from hpctrain.checkpoint.manager import latest, list_checkpoints, resolve_resume
+from hpctrain.checkpoint.manager import latest, list_checkpoints
 from hpctrain.checkpoint.reader import CheckpointError, Reader
-from hpctrain.checkpoint.state import load_checkpoint, load_model_state, save_checkpoint
+from hpctrain.checkpoint.resume import resolve_resume
+from hpctrain.checkpoint.state import (load_checkpoint, load_model_state, read_model_state,
+                                       save_checkpoint)
 
 __all__ = ["Entry", "CheckpointError", "Reader", "save_checkpoint", "load_checkpoint",
-           "load_model_state", "latest", "list_checkpoints", "resolve_resume"]
+           "load_model_state", "read_model_state", "latest", "list_checkpoints",
+           "resolve_resume", "clean_stale"]

@@ -1,15 +1,24 @@
-"""Checkpoint names in a directory: temporary names, the newest complete one, keep-last-K."""
+"""Checkpoint names in a directory: temporary names, the newest complete one, keep-last-K.
+
+Two jobs may share a directory (a requeued job and its successor, array jobs): another job
+can remove or add files between a listing and its use, so nothing here fails on a file that
+vanished, and the `latest` pointer is written through a name of this process's own.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import socket
 
-__all__ = ["checkpoint_path", "tmp_path", "list_checkpoints", "latest", "resolve_resume",
-           "prune", "write_latest_pointer"]
+__all__ = ["checkpoint_path", "tmp_path", "list_checkpoints", "latest", "prune",
+           "write_latest_pointer", "STALE_NAME"]
 
 _NAME = re.compile(r"^ckpt-(\d{6,})\.h5$")
+# What a save that did not finish can leave: the temporary file and the serial part files.
+STALE_NAME = re.compile(r"^(ckpt-\d{6,}\.h5)\.(?:tmp|parts)$")
 
 
 def checkpoint_path(directory: str, step: int) -> str:
@@ -23,11 +32,12 @@ def tmp_path(final: str) -> str:
 
 def list_checkpoints(directory: str) -> list[tuple[int, str]]:
     """(step, path) of the complete checkpoints in directory, oldest first."""
-    if not os.path.isdir(directory):
+    try:
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
         return []
-    out = [(int(m.group(1)), os.path.join(directory, n))
-           for n in os.listdir(directory) if (m := _NAME.match(n))]
-    return sorted(out)
+    return sorted((int(m.group(1)), os.path.join(directory, n))
+                  for n in names if (m := _NAME.match(n)))
 
 
 def latest(directory: str) -> str | None:
@@ -36,30 +46,34 @@ def latest(directory: str) -> str | None:
     return found[-1][1] if found else None
 
 
-def resolve_resume(resume: str, directory: str) -> str | None:
-    """The checkpoint to resume from: '' none, 'auto' newest in directory (or None), else a path."""
-    if not resume:
-        return None
-    if resume == "auto":
-        return latest(directory) if directory else None
-    if not os.path.isfile(resume):
-        raise FileNotFoundError(f"checkpoint.resume = {resume!r} does not exist; pass an existing "
-                                f"ckpt-*.h5 file or 'auto'")
-    return resume
-
-
 def write_latest_pointer(directory: str, path: str) -> None:
     """Write DIR/latest (the newest file name) atomically, for people and scripts."""
-    tmp = os.path.join(directory, "latest.tmp")
-    with open(tmp, "w") as fh:
-        fh.write(os.path.basename(path) + "\n")
-    os.replace(tmp, os.path.join(directory, "latest"))
+    tmp = os.path.join(directory, f"latest.tmp.{socket.gethostname()}.{os.getpid()}")
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(os.path.basename(path) + "\n")
+        os.replace(tmp, os.path.join(directory, "latest"))
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
-def prune(directory: str, keep: int) -> None:
-    """Delete all but the newest keep checkpoints (keep <= 0 keeps all)."""
+def prune(directory: str, keep: int) -> list[str]:
+    """Delete all but the newest keep checkpoints (keep <= 0 keeps all); never raises.
+
+    Returns what could not be deleted, with why; a file already gone (another job sharing
+    the directory pruned it) is not a problem.
+    """
     if keep <= 0:
-        return
+        return []
+    problems = []
     for _, path in list_checkpoints(directory)[:-keep]:
-        os.remove(path)
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            problems.append(f"{path}: {exc.strerror or exc}")
         shutil.rmtree(path + ".parts", ignore_errors=True)
+    return problems

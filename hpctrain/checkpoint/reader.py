@@ -7,22 +7,40 @@ import os
 import h5py
 import numpy as np
 
+from hpctrain.checkpoint import meta
 from hpctrain.checkpoint.checksum import expected_blocks, verify_flat
 from hpctrain.checkpoint.hyperslab import read_flat
 from hpctrain.checkpoint.layout import numel
 
-__all__ = ["CheckpointError", "Reader"]
+__all__ = ["CheckpointError", "Reader", "raise_agreed"]
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, corrupt or does not fit the model; the message names the dataset."""
 
 
+def raise_agreed(comm, errors: list[str] | str | None) -> None:
+    """Raise CheckpointError on EVERY rank if any rank has errors (collective over comm).
+
+    errors: this rank's messages (one, or None for none); comm None: this process only. The
+    first error is named, with how many more there are.
+    """
+    errors = [errors] if isinstance(errors, str) else list(errors or ())
+    if comm is not None:
+        errors = [e for per_rank in comm.allgather(list(errors)) for e in per_rank]
+    errors = list(dict.fromkeys(errors))
+    if errors:
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise CheckpointError(errors[0] + more)
+
+
 class Reader:
     """Reads datasets of one checkpoint file; errors are collected, then raised by check().
 
     Every rank opens the file read-only with the default driver: reads are independent, so
-    ranks at any world size read whatever rows or flat element ranges they need.
+    ranks at any world size read whatever rows or flat element ranges they need. Opening
+    verifies the metadata (see meta.py) and raises CheckpointError when it is wrong;
+    ``sealed`` is False for files written before the metadata had a checksum.
     """
 
     def __init__(self, path: str):
@@ -33,6 +51,12 @@ class Reader:
         except OSError as exc:
             raise CheckpointError(f"cannot open checkpoint {path!r}: {exc}; check the path, or "
                                   f"resume from an older checkpoint in the same directory") from None
+        self.sealed, problems = meta.problems(self.f)
+        if problems:
+            self.f.close()
+            raise_agreed(None, [f"checkpoint {path}: {p}; the file was changed or damaged after "
+                                f"it was written: resume from an older checkpoint"
+                                for p in problems])
         # Virtual datasets name their per-rank files relative to the master's directory.
         self._dapl = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
         self._dapl.set_virtual_prefix(os.path.dirname(os.path.abspath(path)).encode() + b"/")
@@ -45,6 +69,10 @@ class Reader:
         """Names of the members of group (empty when it is absent)."""
         g = self.f.get(group)
         return sorted(g.keys()) if isinstance(g, h5py.Group) else []
+
+    def names(self) -> list[str]:
+        """Paths of every dataset in the file, sorted."""
+        return meta.dataset_names(self.f)
 
     def has(self, name: str) -> bool:
         return name in self.f
@@ -105,14 +133,30 @@ class Reader:
             return flat.reshape(())
         return flat.reshape(-1)[start - lo:stop - lo].reshape(out_shape)
 
-    def verify(self, name: str) -> list[int]:
-        """Bad block indices of a whole dataset (for `ckpt inspect`); [-1]: no valid checksums."""
+    def verify(self, name: str, index: int = 0, share: tuple = (0, 1)) -> str | None:
+        """Why dataset name fails verification, or None when its checksums hold.
+
+        share=(rank, ranks): only this rank's whole blocks of the index-th dataset (a
+        rotated contiguous split), so ranks verify a file together in parallel.
+        """
         d = self.dataset(name)
         belems, crcs = self._blocks(d)
         if crcs is None:
-            return [-1]
+            return (f"checkpoint {self.path}: dataset {name!r} has no valid checksum attributes "
+                    f"(crc32, crc_block_elems); the file is damaged or not an hpctrain checkpoint")
         total = numel(tuple(d.shape))
-        return verify_flat(read_flat(d, 0, total), 0, belems, crcs, total)
+        nblocks, (rank, ranks) = expected_blocks(total, belems), share
+        pos = (rank - index) % ranks  # rotated, so one-block tensors spread over ranks
+        lo = min(pos * nblocks // ranks * belems, total)
+        hi = min((pos + 1) * nblocks // ranks * belems, total)
+        try:
+            bad = verify_flat(read_flat(d, lo, hi), lo, belems, crcs, total)
+        except OSError as exc:
+            return f"checkpoint {self.path}: dataset {name!r} cannot be read ({exc})"
+        if bad:
+            return (f"checkpoint {self.path}: dataset {name!r} fails its checksum (blocks "
+                    f"{bad[:8]}); the file is corrupt")
+        return None
 
     def _blocks(self, d) -> tuple[int, np.ndarray | None]:
         """(elements per block, block CRCs) of d, or (1, None) when absent or inconsistent."""
@@ -132,13 +176,7 @@ class Reader:
 
     def check(self, comm=None) -> None:
         """Raise CheckpointError on EVERY rank if any rank found an error (collective with comm)."""
-        errors = self.errors
-        if comm is not None:
-            errors = [e for per_rank in comm.allgather(self.errors) for e in per_rank]
-            errors = list(dict.fromkeys(errors))
-        if errors:
-            more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-            raise CheckpointError(errors[0] + more)
+        raise_agreed(comm, self.errors)
 
     def close(self) -> None:
         self.f.close()

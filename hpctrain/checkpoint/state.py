@@ -4,35 +4,65 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import numpy as np
 import torch
 
 from hpctrain.checkpoint import manager
+from hpctrain.checkpoint.commit import write_entries
 from hpctrain.checkpoint.layout import Entry, from_numpy
-from hpctrain.checkpoint.reader import CheckpointError, Reader
-from hpctrain.checkpoint.serial_fallback import use_serial, write_serial
-from hpctrain.checkpoint.writer import write_parallel
+from hpctrain.checkpoint.meta import JSON_ATTRS, torch_dtype
+from hpctrain.checkpoint.reader import CheckpointError, Reader, raise_agreed
 
-__all__ = ["save_checkpoint", "load_checkpoint", "load_model_state", "write_entries"]
+__all__ = ["save_checkpoint", "load_checkpoint", "load_model_state", "read_model_state",
+           "write_entries", "attr_problems", "FORMAT", "MODEL_FORMAT"]
 
 FORMAT = "hpctrain-checkpoint-1"
+MODEL_FORMAT = FORMAT + "-model"  # `ckpt export`: model tensors only
+
+# Root attributes a file of each format must have; with the integer ones checked for range.
+_REQUIRED = {
+    FORMAT: ("step", "world_size", "strategy", "config_toml", "sampler_state", "grad_scaler",
+             "model_aliases", "optim_class", "optim_param_groups"),
+    MODEL_FORMAT: ("step", "model_aliases"),
+}
+_MIN_INT = {"step": 0, "world_size": 1, "source_world_size": 1}
+_RUN_DATASETS = ("rng/torch_cpu", "train/losses")  # written by every save_checkpoint
 
 
-def write_entries(final: str, entries: list[Entry], attrs: dict, comm) -> None:
-    """Write entries to final via its temporary name, then rename (collective over comm)."""
-    rank = comm.Get_rank()
-    tmp = manager.tmp_path(final)
-    if use_serial(rank):
-        write_serial(tmp, final, entries, attrs, comm)
-    else:
-        write_parallel(tmp, entries, attrs, comm)
-    comm.Barrier()  # every rank closed (and so flushed) the file
-    if rank == 0:
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
-    comm.Barrier()
+def attr_problems(reader: Reader, formats=(FORMAT,)) -> list[str]:
+    """What is missing or out of range in reader's root attributes for one of formats.
+
+    Model-independent, so `ckpt inspect` refuses every file that resuming would refuse on
+    its attributes (JSON and dtypes were checked when the reader opened the file).
+    """
+    a = reader.attrs
+    fmt = a.get("format")
+    if fmt not in formats:
+        return [f"attribute 'format' is {fmt!r}, expected {' or '.join(map(repr, formats))}"]
+    out = [f"attribute {k!r} is missing" for k in _REQUIRED[fmt] if k not in a]
+    for k, least in _MIN_INT.items():
+        if k in a and (not isinstance(a[k], (int, np.integer)) or int(a[k]) < least):
+            out.append(f"attribute {k!r} is {a[k]!r}, expected an integer >= {least}")
+    return out + (_run_problems(reader) if fmt == FORMAT and not out else [])
+
+
+def _run_problems(reader: Reader) -> list[str]:
+    """Facts of a training checkpoint that must agree with each other (a changed one shows
+    even in files written before the metadata checksum)."""
+    a, out = reader.attrs, []
+    sampler_step = json.loads(a["sampler_state"]).get("step")
+    if sampler_step != int(a["step"]):
+        out.append(f"attribute 'step' is {int(a['step'])} but attribute 'sampler_state' is at "
+                   f"step {sampler_step!r}; one of them was changed")
+    out += [f"dataset {name!r} is missing" for name in _RUN_DATASETS if not reader.has(name)]
+    if reader.has("rng/torch_cpu"):
+        rows = reader.dataset("rng/torch_cpu").shape[:1]
+        if rows != (int(a["world_size"]),):
+            out.append(f"dataset 'rng/torch_cpu' has {rows} rows for attribute 'world_size' = "
+                       f"{int(a['world_size'])}")
+    return out
 
 
 def _run_entries(world, sampler, losses):
@@ -46,70 +76,142 @@ def _run_entries(world, sampler, losses):
     return [rng, hist]
 
 
+def _agree_dir(directory: str, comm) -> None:
+    """Rank 0 creates directory; a failure raises on every rank."""
+    err = None
+    if comm.Get_rank() == 0:
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as exc:
+            err = f"cannot create the checkpoint directory {directory!r}: {exc}"
+    raise_agreed(comm, err)
+
+
+def _after_save(directory: str, final: str, keep: int) -> None:
+    """Rank 0: point DIR/latest at final and prune; trouble here is a warning, not a failure
+    (the checkpoint is complete; other ranks are not waiting on an error)."""
+    try:
+        manager.write_latest_pointer(directory, final)
+        problems = manager.prune(directory, keep)
+    except OSError as exc:
+        problems = [str(exc)]
+    for p in problems:
+        print(f"hpctrain: warning: checkpoint housekeeping in {directory}: {p}", file=sys.stderr,
+              flush=True)
+
+
 def save_checkpoint(directory: str, step: int, par, world, cfg, sampler, losses, scaler=None,
                     keep: int = 0) -> str:
     """Write DIR/ckpt-STEP.h5 (collective over the world); keep the newest keep; return the path."""
     from hpctrain import __version__
 
-    if world.rank == 0:
-        os.makedirs(directory, exist_ok=True)
-    world.mpi_comm.Barrier()
+    _agree_dir(directory, world.mpi_comm)
     final = manager.checkpoint_path(directory, step)
+    meta = {"sampler_state": sampler.state_dict(),
+            "grad_scaler": scaler.state_dict() if scaler is not None else {},
+            **par.state_meta()}
     attrs = {
         "format": FORMAT, "step": np.int64(step), "config_toml": cfg.to_toml(),
         "world_size": np.int64(world.size), "strategy": par.name,
         "hpctrain_version": __version__, "torch_version": str(torch.__version__),
-        "sampler_state": json.dumps(sampler.state_dict()),
-        "grad_scaler": json.dumps(scaler.state_dict() if scaler is not None else {}),
-        **{k: json.dumps(v) for k, v in par.state_meta().items()},
+        JSON_ATTRS: json.dumps(sorted(meta)), **{k: json.dumps(v) for k, v in meta.items()},
     }
     entries = par.state_entries() + _run_entries(world, sampler, losses)
     write_entries(final, entries, attrs, world.mpi_comm)
     if world.rank == 0:
-        manager.write_latest_pointer(directory, final)
-        manager.prune(directory, keep)
+        _after_save(directory, final, keep)
     world.mpi_comm.Barrier()
     return final
 
 
-def load_checkpoint(path: str, par, world, sampler, scaler=None) -> tuple[int, list[float]]:
-    """Restore everything saved by save_checkpoint; return (step, losses). Collective."""
-    reader = None
+def _open_everywhere(path: str, comm) -> Reader:
+    """Open path on every rank; if any rank cannot, every rank raises (naming that rank)."""
+    reader, err = None, None
     try:
         reader = Reader(path)
     except CheckpointError as exc:
-        errors = world.mpi_comm.allgather(str(exc))
-        raise CheckpointError(errors[0]) from None
-    with reader:
-        world.mpi_comm.allgather(None)  # every rank opened it
-        if reader.attrs.get("format") != FORMAT:
-            reader.fail(f"attribute 'format' is {reader.attrs.get('format')!r}, expected {FORMAT!r}")
-            reader.check(world.mpi_comm)
+        err = f"rank {comm.Get_rank()}: {exc}"
+    try:
+        raise_agreed(comm, err)
+    except CheckpointError:
+        if reader is not None:
+            reader.close()
+        raise
+    return reader
+
+
+def _restore_json(reader: Reader, key: str, load) -> None:
+    """load(the JSON of attribute key); a value load rejects names the attribute."""
+    try:
+        load(json.loads(reader.attrs[key]))
+    except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+        raise CheckpointError(f"checkpoint {reader.path}: attribute {key!r} does not hold a "
+                              f"valid state ({type(exc).__name__}: {exc}); resume from an "
+                              f"older checkpoint") from None
+
+
+def load_checkpoint(path: str, par, world, sampler, scaler=None) -> tuple[int, list[float]]:
+    """Restore everything saved by save_checkpoint; return (step, losses). Collective."""
+    comm = world.mpi_comm
+    with _open_everywhere(path, comm) as reader:
+        if not reader.sealed and world.rank == 0:
+            print(f"hpctrain: warning: {path} has no metadata checksum (written before "
+                  f"hpctrain checked its attributes); its step, optimizer settings and sampler "
+                  f"state are loaded unverified", file=sys.stderr, flush=True)
+        for msg in attr_problems(reader):
+            reader.fail(msg)
+        reader.check(comm)  # before any strategy reads an attribute
         par.load_state_entries(reader)
         saved_world = int(reader.attrs["world_size"])
         r = world.rank % saved_world  # more ranks than written: reuse the states round-robin
         rng = reader.read("rng/torch_cpu", rows=(r, r + 1))
         hist = reader.read("train/losses")
-        reader.check(world.mpi_comm)
+        reader.check(comm)
         torch.set_rng_state(torch.from_numpy(np.ascontiguousarray(rng[0])))
-        sampler.load_state_dict(json.loads(reader.attrs["sampler_state"]))
-        scaler_state = json.loads(reader.attrs["grad_scaler"])
-        if scaler is not None and scaler_state:
-            scaler.load_state_dict(scaler_state)
+        # The same attributes on every rank: a rejected one raises on all of them.
+        _restore_json(reader, "sampler_state", sampler.load_state_dict)
+        if scaler is not None:
+            _restore_json(reader, "grad_scaler", lambda s: s and scaler.load_state_dict(s))
         return int(reader.attrs["step"]), [float(x) for x in hist]
+
+
+def read_model_state(path: str) -> dict[str, torch.Tensor]:
+    """The model state_dict stored in a checkpoint or an export, every key (on this process).
+
+    Tied keys (``model_aliases``) map to the same tensor as the key they share it with, as in
+    the model's own state_dict, so ``model.load_state_dict(read_model_state(p), strict=True)``
+    works for models with tied weights.
+    """
+    with Reader(path) as reader:
+        raise_agreed(None, [f"checkpoint {path}: {m}"
+                            for m in attr_problems(reader, (FORMAT, MODEL_FORMAT))])
+        state = {}
+        for name in reader.names():
+            if name.startswith("model/"):
+                a = reader.read(name)
+                if a is not None:
+                    dtype = torch_dtype(reader.dataset(name).attrs["torch_dtype"])
+                    state[name[len("model/"):]] = from_numpy(np.asarray(a), dtype)
+        reader.check()
+        for key, first in json.loads(reader.attrs["model_aliases"]).items():
+            if key not in state and first in state:
+                state[key] = state[first]
+    return state
 
 
 def load_model_state(model: torch.nn.Module, path: str) -> None:
     """Load the model tensors of a checkpoint (or an export) into model, on this process only."""
-    with Reader(path) as reader:
-        with torch.no_grad():
-            for key, t in model.state_dict(keep_vars=True).items():
-                a = reader.read(f"model/{key}", tuple(t.shape))
-                if a is None and not reader.has(f"model/{key}"):
-                    aliases = json.loads(reader.attrs.get("model_aliases", "{}"))
-                    if key in aliases:
-                        reader.errors.pop()
-                        continue
-                if a is not None:
-                    t.copy_(from_numpy(a, t.dtype).reshape(t.shape))
-        reader.check()
+    state = read_model_state(path)
+    errors = []
+    for key, t in model.state_dict(keep_vars=True).items():
+        got = state.get(key)
+        if got is None:
+            errors.append(f"checkpoint {path}: dataset {'model/' + key!r} is missing; it was "
+                          f"written for a different model")
+        elif tuple(got.shape) != tuple(t.shape):
+            errors.append(f"checkpoint {path}: dataset {'model/' + key!r} has shape "
+                          f"{tuple(got.shape)}, the model expects {tuple(t.shape)}")
+    raise_agreed(None, errors)
+    with torch.no_grad():
+        for key, t in model.state_dict(keep_vars=True).items():
+            t.copy_(state[key].reshape(t.shape))

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 
 import h5py
 import numpy as np
 
+from hpctrain.checkpoint import meta
 from hpctrain.checkpoint.checksum import merge_pieces, piece_crcs
 from hpctrain.checkpoint.hyperslab import write_flat
 from hpctrain.checkpoint.layout import (Entry, block_elems, local_flat, numel, owned_elems,
@@ -14,19 +17,54 @@ from hpctrain.checkpoint.layout import (Entry, block_elems, local_flat, numel, o
 from hpctrain.checkpoint.writeback import Writeback
 
 __all__ = ["write_parallel", "fault_hook", "FAULT_ENV", "set_attrs", "dataset_attrs",
-           "merge_crcs", "agreed_spans"]
+           "merge_crcs", "agreed_spans", "agree_os_error", "finish_attrs", "new_file"]
 
-# Tests only: "RANK:K" makes rank RANK die (os._exit) after writing K datasets of a save.
+# Tests only: "RANK:K" makes rank RANK die (os._exit) after writing K datasets of a save;
+# "RANK:K:enospc" makes its write fail there as on a full disk.
 FAULT_ENV = "HPCTRAIN_CKPT_FAULT"
 
 
 def fault_hook(rank: int, written: int) -> None:
-    """Simulate a rank crashing in the middle of a save (enabled by FAULT_ENV, tests only)."""
+    """Simulate a rank crashing or its disk filling up in the middle of a save (tests only)."""
     spec = os.environ.get(FAULT_ENV, "")
     if spec:
-        r, k = (int(x) for x in spec.split(":"))
-        if r == rank and written == k:
+        r, k, *mode = spec.split(":")
+        if int(r) == rank and written == int(k):
+            if mode == ["enospc"]:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             os._exit(17)
+
+
+def agree_os_error(comm, exc: OSError | None) -> None:
+    """Raise OSError on EVERY rank if any rank's exc is set (collective): errno kept, rank named."""
+    mine = None if exc is None else (exc.errno, f"rank {comm.Get_rank()}: {exc.strerror or exc}")
+    failed = [x for x in comm.allgather(mine) if x is not None]
+    if failed:
+        raise OSError(*failed[0])
+
+
+@contextlib.contextmanager
+def new_file(path: str, **kwargs):
+    """h5py.File(path, "w") whose close raises OSError, as its writes do, when it fails.
+
+    Closing flushes HDF5's cached metadata: into a full disk that fails with a RuntimeError
+    ("Unable to flush cached data"), which callers must see as the write error it is.
+    locking=False: rank 0 holds its own lock on a temporary file (see commit.py).
+    """
+    f = h5py.File(path, "w", locking=False, **kwargs)
+    try:
+        yield f
+    except OSError:
+        # The file will be deleted: give its space back first, so that the flush at close has
+        # room (a flush that fails again can hang a parallel close, or crash at exit).
+        with contextlib.suppress(OSError):
+            os.truncate(path, 0)
+        raise
+    finally:
+        try:
+            f.close()
+        except RuntimeError as exc:
+            raise OSError(None, f"closing {path}: {exc}") from exc
 
 
 def set_attrs(obj, attrs: dict) -> None:
@@ -64,6 +102,35 @@ def agreed_spans(entries: list[Entry], comm) -> list[tuple]:
     return spans
 
 
+def finish_attrs(f, dsets, entries: list[Entry], crcs: list[np.ndarray], root_attrs: dict) -> None:
+    """Write every dataset's and the root's attributes, then seal them with their checksum."""
+    for e, d, c in zip(entries, dsets, crcs):
+        set_attrs(d, dataset_attrs(e, d.dtype.itemsize, c))
+    set_attrs(f, root_attrs)
+    meta.seal(f)
+
+
+def _write_data(path: str, entries: list[Entry], dsets, spans, dxpl, rank: int):
+    """Write this rank's part of every dataset; (its CRC pieces, the OSError that stopped it)."""
+    crcs = {}
+    wb = Writeback(path)
+    try:
+        for i, (e, d, (start, stop)) in enumerate(zip(entries, dsets, spans)):
+            if stop > start:
+                flat = local_flat(e, (start, stop))
+                write_flat(d, flat, start, stop, dxpl)
+                size = d.dtype.itemsize
+                if d.ndim:  # a scalar may live in HDF5's object header: no offset
+                    wb.start(d.id.get_offset() + start * size, (stop - start) * size)
+                crcs[i] = piece_crcs(flat, start, block_elems(size))
+            fault_hook(rank, i + 1)
+    except OSError as exc:  # a full disk: the other ranks must hear of it, not hang
+        return crcs, exc
+    finally:
+        wb.close()
+    return crcs, None
+
+
 def write_parallel(path: str, entries: list[Entry], root_attrs: dict, comm) -> None:
     """Write entries and root attributes into path (collective over comm; path is overwritten).
 
@@ -72,29 +139,13 @@ def write_parallel(path: str, entries: list[Entry], root_attrs: dict, comm) -> N
     about 2x slower at 2 ranks with both ompio and romio321, see `hpctrain bench checkpoint`).
     Creating datasets and attributes stays collective, as HDF5 requires.
     """
-    rank = comm.Get_rank()
     spans = agreed_spans(entries, comm)
     dxpl = h5py.h5p.create(h5py.h5p.DATASET_XFER)
     dxpl.set_dxpl_mpio(h5py.h5fd.MPIO_INDEPENDENT)
-    with h5py.File(path, "w", driver="mpio", comm=comm) as f:
+    with new_file(path, driver="mpio", comm=comm) as f:
         # Contiguous datasets, never filled: every byte is written by exactly one rank.
         dsets = [f.create_dataset(e.name, shape=tuple(e.shape), dtype=storage_dtype(e.dtype),
                                   fill_time="never") for e in entries]
-        wb = Writeback(path)
-        try:
-            crcs = {}
-            for i, (e, d, (start, stop)) in enumerate(zip(entries, dsets, spans)):
-                if stop > start:
-                    flat = local_flat(e, (start, stop))
-                    write_flat(d, flat, start, stop, dxpl)
-                    size = d.dtype.itemsize
-                    if d.ndim:  # a scalar may live in HDF5's object header: no offset
-                        wb.start(d.id.get_offset() + start * size, (stop - start) * size)
-                    crcs[i] = piece_crcs(flat, start, block_elems(size))
-                fault_hook(rank, i + 1)
-        finally:
-            wb.close()
-        merged = merge_crcs(comm.allgather(crcs), entries)
-        for e, d, c in zip(entries, dsets, merged):
-            set_attrs(d, dataset_attrs(e, d.dtype.itemsize, c))
-        set_attrs(f, root_attrs)
+        crcs, err = _write_data(path, entries, dsets, spans, dxpl, comm.Get_rank())
+        agree_os_error(comm, err)  # all ranks leave (and close the file) together
+        finish_attrs(f, dsets, entries, merge_crcs(comm.allgather(crcs), entries), root_attrs)

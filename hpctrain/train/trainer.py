@@ -83,7 +83,8 @@ class Trainer:
         self.start_step, self.history = 0, []
         self._save_s: float | None = None  # wall time of this run's last save
         c = cfg.checkpoint
-        resume = checkpoint.resolve_resume(c.resume, c.dir)
+        checkpoint.clean_stale(c.dir, world.mpi_comm)  # what saves that died left behind
+        resume = checkpoint.resolve_resume(c.resume, c.dir, world.mpi_comm)
         if resume:
             self.start_step, self.history = checkpoint.load_checkpoint(
                 resume, self.par, world, self.sampler, self.precision.scaler)

@@ -8,6 +8,7 @@ import h5py
 import numpy as np
 import pytest
 
+from hpctrain.checkpoint.meta import seal
 from tests.mpirun import run_mpi, run_single
 
 pytestmark = pytest.mark.mpi
@@ -75,9 +76,11 @@ def test_crash_during_save_keeps_previous(tmp_path):
                 env={"HPCTRAIN_CKPT_FAULT": "1:3"}, check=False)
     assert proc.returncode != 0
     assert (d / "ckpt-000005.h5").exists() and not (d / "ckpt-000010.h5").exists()
-    assert (d / "ckpt-000010.h5.tmp").exists()
+    assert (d / "ckpt-000010.h5.tmp").exists()  # the dead save's; no live save holds it
     proc = _run(2, "ddp", "adamw", 10, tmp_path / "c.json", flags + ["--resume", "auto"])
     assert "resumed from" in proc.stdout and "ckpt-000005.h5" in proc.stdout
+    assert f"removed {d / 'ckpt-000010.h5.tmp'}" in proc.stderr
+    assert sorted(p.name for p in d.iterdir()) == ["ckpt-000005.h5", "ckpt-000010.h5", "latest"]
     np.testing.assert_allclose(_losses(tmp_path / "c.json"), _losses(tmp_path / "straight.json"),
                                rtol=1e-6)
 
@@ -96,6 +99,38 @@ def test_corrupt_dataset_named_on_every_rank(tmp_path):
     assert "checksum" in proc.stderr
 
 
+def test_auto_resume_skips_corrupt_newest(tmp_path):
+    # A requeued job whose newest checkpoint is damaged goes on from the one before it.
+    d = tmp_path / "ck"
+    flags = ["--checkpoint-dir", str(d), "--checkpoint-every", "3", "--keep", "0"]
+    _run(2, "ddp", "adamw", 6, tmp_path / "a.json", flags)
+    with h5py.File(d / "ckpt-000006.h5", "r+") as f:
+        f["optim/stem.weight/exp_avg"][0, 0] += 1.0
+    proc = _run(2, "ddp", "adamw", 6, tmp_path / "b.json", flags + ["--resume", "auto"])
+    assert proc.stderr.count(f"--resume auto skips checkpoint {d / 'ckpt-000006.h5'}: dataset "
+                             f"'optim/stem.weight/exp_avg' fails its checksum") == 1
+    assert f"resumed from {d / 'ckpt-000003.h5'} at step 3" in proc.stdout
+    np.testing.assert_allclose(_losses(tmp_path / "b.json"), _losses(tmp_path / "a.json"),
+                               rtol=1e-6)
+    # Named explicitly, a damaged file still stops the run.
+    with h5py.File(d / "ckpt-000006.h5", "r+") as f:
+        f["model/stem.weight"][0, 0] += 1.0
+    proc = _run(2, "ddp", "adamw", 8, tmp_path / "c.json",
+                flags + ["--resume", str(d / "ckpt-000006.h5")], check=False)
+    assert proc.returncode != 0 and "'model/stem.weight' fails its checksum" in proc.stderr
+
+
+def test_disk_full_fails_every_rank_and_leaves_nothing(tmp_path):
+    d = tmp_path / "ck"
+    proc = _run(2, "ddp", "adamw", 2, tmp_path / "a.json", ["--checkpoint-dir", str(d)],
+                env={"HPCTRAIN_CKPT_FAULT": "1:3:enospc"}, check=False)
+    assert proc.returncode != 0
+    for r in (0, 1):
+        assert (f"hpctrain: error: rank {r}: checkpoint write to {d / 'ckpt-000002.h5'} failed: "
+                f"no space left on device (needed ~") in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and os.listdir(d) == []
+
+
 def test_wrong_shape_named(tmp_path):
     d = tmp_path / "ck"
     _run(1, "single", "sgd", 2, tmp_path / "a.json", ["--checkpoint-dir", str(d)])
@@ -111,6 +146,7 @@ def test_missing_dataset_named(tmp_path):
     _run(1, "single", "adamw", 2, tmp_path / "a.json", ["--checkpoint-dir", str(d)])
     with h5py.File(d / "ckpt-000002.h5", "r+") as f:
         del f["model/head.bias"]
+        seal(f)  # as if written for a model without it (not a damaged file)
     proc = _run(1, "single", "adamw", 4, tmp_path / "b.json",
                 ["--checkpoint-dir", str(d), "--resume", "auto"], check=False)
     assert proc.returncode != 0 and "'model/head.bias' is missing" in proc.stderr

@@ -1,0 +1,316 @@
+"""mpirun worker for test_faults: checkpoint faults that lose data or hang, many cases per launch.
+
+    python -m tests.checkpoint.fault_worker DIR [CASE ...]
+Each case runs collectively in its own subdirectory of DIR and prints "rank R: CASE ok", or
+"rank R: CASE FAIL: why". A case that hangs hangs the launch (the test's timeout names it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import traceback
+
+import h5py
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from hpctrain.checkpoint import commit, manager, resume
+from hpctrain.checkpoint.layout import Entry, from_numpy
+from hpctrain.checkpoint.meta import JSON_ATTRS
+from hpctrain.checkpoint.reader import CheckpointError, Reader
+from hpctrain.checkpoint.serial_fallback import FORCE_ENV, parts_dir
+from hpctrain.checkpoint.state import FORMAT, write_entries
+from hpctrain.checkpoint.writer import FAULT_ENV
+from tests.checkpoint.elem_worker import FLAT, REP, ROWS, entries, tensor
+
+COMM = MPI.COMM_WORLD
+RANK, WORLD = COMM.Get_rank(), COMM.Get_size()
+CASES = {}
+
+
+def case(fn):
+    CASES[fn.__name__] = fn
+    return fn
+
+
+def check(cond, what):
+    if not cond:
+        raise AssertionError(what)
+
+
+@contextlib.contextmanager
+def env(**values):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update({k: v for k, v in values.items() if v is not None})
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def run_attrs(step: int) -> dict:
+    """The root attributes of a training checkpoint, for files that resolve_resume vets."""
+    meta = {"sampler_state": {"step": step}, "grad_scaler": {}, "model_aliases": {},
+            "optim_class": "SGD", "optim_param_groups": [{"lr": 0.1, "params": []}]}
+    return {"format": FORMAT, "step": np.int64(step), "world_size": np.int64(WORLD),
+            "strategy": "ddp", "config_toml": "", JSON_ATTRS: json.dumps(sorted(meta)),
+            **{k: json.dumps(v) for k, v in meta.items()}}
+
+
+def save(d: str, step: int, scale: float = 1.0) -> str:
+    """Write a synthetic checkpoint d/ckpt-STEP.h5 (collective); scale changes its content."""
+    path = manager.checkpoint_path(d, step)
+    es = entries(RANK, WORLD, False)
+    for e in es:
+        if e.local is not None and e.local.is_floating_point():
+            e.local = e.local * scale
+    rng = torch.zeros((WORLD, 8), dtype=torch.uint8)
+    es += [Entry("rng/torch_cpu", tuple(rng.shape), rng.dtype, rng),
+           Entry("train/losses", (step,), torch.float64, torch.ones(step, dtype=torch.float64))]
+    write_entries(path, es, run_attrs(step), COMM)
+    return path
+
+
+def expect_error(fn, *words) -> str:
+    """Run fn; it must raise CheckpointError containing words (on this rank)."""
+    try:
+        fn()
+    except CheckpointError as exc:
+        for w in words:
+            check(w in str(exc), f"{w!r} not in {exc}")
+        return str(exc)
+    raise AssertionError(f"no CheckpointError (expected one with {words})")
+
+
+def corrupt(path: str, name: str = REP[0]) -> None:
+    """Rank 0 changes one value of dataset name behind the checksum's back."""
+    if RANK == 0:
+        with h5py.File(path, "r+") as f:
+            f[name][0, 0] = f[name][0, 0] + 1.0
+    COMM.Barrier()
+
+
+def read_all(path: str, scale: float = 1.0) -> None:
+    """Every tensor of a synthetic checkpoint reads back whole, verified, equal to its content."""
+    with Reader(path) as r:
+        for name, shape, dtype in FLAT + [ROWS, REP]:
+            got = r.read(name, shape)
+            want = tensor(name, shape, dtype)
+            if want.is_floating_point():
+                want = want * scale
+            check(got is None or torch.equal(from_numpy(got, dtype), want), name)
+        r.check(COMM)
+
+
+def listing(d: str) -> list[str]:
+    return sorted(os.listdir(d))
+
+
+# -- 23.5: a full disk fails the save on every rank, nothing partial is left ------------------
+
+def _disk_full(d: str, fault: str, serial: str) -> None:
+    with env(**{FORCE_ENV: serial}):
+        good = save(d, 1)
+        with env(**{FAULT_ENV: fault}):
+            msg = expect_error(lambda: save(d, 2), "checkpoint write to", "ckpt-000002.h5",
+                               "no space left on device (needed ~")
+        check(COMM.allgather(msg) == [msg] * WORLD, "ranks raised different errors")
+        COMM.Barrier()
+        parts = ["ckpt-000001.h5.parts"] if serial == "1" else []
+        check(listing(d) == ["ckpt-000001.h5"] + parts, listing(d))
+        read_all(good)
+
+
+@case
+def disk_full_on_rank1_parallel(d):
+    _disk_full(d, "1:2:enospc", "0")
+
+
+@case
+def disk_full_on_rank0_parallel(d):
+    _disk_full(d, "0:1:enospc", "0")
+
+
+@case
+def disk_full_on_last_rank_serial(d):
+    _disk_full(d, f"{WORLD - 1}:3:enospc", "1")
+
+
+@case
+def real_full_disk(d):
+    """On a real small file system (SMALL_FS, a tmpfs the test mounted): refused up front,
+    and, past that check, failing in the middle of the write."""
+    small = os.environ.get("SMALL_FS")
+    if not small:
+        return
+    d = os.path.join(small, "ck")
+    if RANK == 0:
+        os.makedirs(d)
+    COMM.Barrier()
+    big = [Entry(f"model/w{i}", (40000,), torch.float32, torch.ones(40000)) for i in range(4)]
+    final = manager.checkpoint_path(d, 1)
+    for serial in ("0", "1"):
+        with env(**{FORCE_ENV: serial}):
+            expect_error(lambda: write_entries(final, big, {}, COMM),
+                         "no space left on device (needed ~0.7 MB")
+            real, commit._check_space = commit._check_space, lambda final, needed: None
+            try:
+                expect_error(lambda: write_entries(final, big, {}, COMM),
+                             "no space left on device (needed ~0.7 MB")
+            finally:
+                commit._check_space = real
+        COMM.Barrier()
+        check(listing(d) == [], listing(d))
+
+
+# -- 23.6: saving a step again in serial mode keeps the complete one until the new one is -----
+
+@case
+def serial_resave_failure_keeps_complete(d):
+    with env(**{FORCE_ENV: "1"}):
+        path = save(d, 5)
+        with env(**{FAULT_ENV: "1:4:enospc" if WORLD > 1 else "0:4:enospc"}):
+            expect_error(lambda: save(d, 5, scale=2.0), "no space left")
+        read_all(path)  # the complete checkpoint of step 5 is intact
+        save(d, 5, scale=3.0)
+        read_all(path, scale=3.0)
+        check(len(os.listdir(parts_dir(path))) == 1, os.listdir(parts_dir(path)))
+
+
+# -- a live save's temporary file is never taken or cleaned; a dead one's is ----------------
+
+@case
+def claim_held_by_live_save(d):
+    final = manager.checkpoint_path(d, 3)
+    tmp = manager.tmp_path(final)
+    holder = None
+    if RANK == 0:
+        import fcntl
+
+        holder = os.open(tmp, os.O_RDWR | os.O_CREAT)
+        fcntl.flock(holder, fcntl.LOCK_EX)  # as another job's rank 0 in the middle of a save
+    COMM.Barrier()
+    commit.CLAIM_WAIT_S = 0.3
+    expect_error(lambda: save(d, 3), "being written by another save")
+    check(commit.clean_stale(d, COMM) == [] and os.path.exists(tmp), "a live save's tmp removed")
+    if RANK == 0:
+        os.close(holder)  # that save died
+    COMM.Barrier()
+    removed, left = commit.clean_stale(d, COMM), listing(d)
+    COMM.Barrier()  # everyone looked before the save below makes a new tmp
+    check(removed == [tmp] and left == [], left)
+    save(d, 3)
+    read_all(final)
+
+
+# -- 16.8 + 23.3: --resume auto is chosen once, skipping damaged files, agreed by all ----------
+
+def _two(d: str) -> tuple[str, str]:
+    return save(d, 10), save(d, 20)
+
+
+@case
+def auto_skips_corrupt_newest(d):
+    old, new = _two(d)
+    corrupt(new)
+    got = resume.resolve_resume("auto", d, COMM)
+    check(got == old, got)
+
+
+@case
+def auto_skips_changed_metadata(d):
+    old, new = _two(d)
+    if RANK == 0:
+        with h5py.File(new, "r+") as f:
+            f.attrs["step"] = np.int64(16)  # data intact, step wrong
+    COMM.Barrier()
+    check(resume.resolve_resume("auto", d, COMM) == old, "changed step not skipped")
+
+
+@case
+def auto_none_verifies(d):
+    old, new = _two(d)
+    corrupt(old)
+    corrupt(new)
+    expect_error(lambda: resume.resolve_resume("auto", d, COMM), "none of the 2 checkpoints",
+                 "fails its checksum")
+
+
+@case
+def auto_empty_dir_starts_fresh(d):
+    check(resume.resolve_resume("auto", d, COMM) is None, "empty dir")
+
+
+@case
+def auto_lagging_listing_agrees(d):
+    old, new = _two(d)
+    real = os.listdir
+    if RANK == 1:  # this rank's view of the directory lags: it does not list the newest yet
+        os.listdir = lambda p=".": [n for n in real(p) if n != os.path.basename(new)]
+    try:
+        got = resume.resolve_resume("auto", d, COMM)
+    finally:
+        os.listdir = real
+    check(got == new, f"rank {RANK} chose {got}")
+
+
+@case
+def auto_rank_cannot_open(d):
+    _, new = _two(d)
+    real = resume.Reader
+    if RANK == WORLD - 1:  # node-local directory: this rank has no such file
+        def missing(path):
+            raise CheckpointError(f"cannot open checkpoint {path!r}: No such file or directory")
+        resume.Reader = missing
+    try:
+        expect_error(lambda: resume.resolve_resume("auto", d, COMM),
+                     f"rank {WORLD - 1} cannot open {new}",
+                     "every rank must see the same checkpoint directory")
+    finally:
+        resume.Reader = real
+
+
+@case
+def explicit_missing_on_one_rank(d):
+    path = save(d, 10)
+    real = os.path.isfile
+    if RANK == WORLD - 1:
+        os.path.isfile = lambda p: False if p == path else real(p)
+    try:
+        expect_error(lambda: resume.resolve_resume(path, d, COMM), f"rank {WORLD - 1}:",
+                     "does not exist")
+    finally:
+        os.path.isfile = real
+
+
+def main() -> int:
+    base = sys.argv[1]
+    failed = 0
+    if RANK == 0:
+        print(f"cases: {','.join(sys.argv[2:] or CASES)}", flush=True)
+    only = sys.argv[2:]  # case names (default: all)
+    for name, fn in CASES.items():
+        if only and name not in only:
+            continue
+        d = os.path.join(base, name)
+        if RANK == 0:
+            os.makedirs(d)
+        COMM.Barrier()
+        try:
+            fn(d)
+            status = "ok"
+        except Exception as exc:  # noqa: BLE001 - report and go on to the next case
+            status = f"FAIL: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+            failed += 1
+        print(f"rank {RANK}: {name} {status}", flush=True)
+        COMM.Barrier()
+    return 3 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Checkpoint faults that lost data or hung: full disk, shared directories, lagging listings,
+a damaged newest checkpoint, saving a step again in serial mode (fault_worker runs the cases)."""
+
+import os
+import re
+import subprocess
+
+import pytest
+
+from hpctrain.checkpoint import manager
+from tests.mpirun import run_mpi
+
+WORKER = ["-W", "ignore::RuntimeWarning", "-m", "tests.checkpoint.fault_worker"]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 4])
+def test_fault_cases(tmp_path, n):
+    proc = run_mpi(n, WORKER + [str(tmp_path)], check=False, timeout=300)
+    out = proc.stdout + proc.stderr
+    names = re.search(r"^cases: (.*)$", proc.stdout, re.M).group(1).split(",")
+    assert len(names) >= 12, names
+    for name in names:
+        for r in range(n):
+            assert f"rank {r}: {name} ok" in out, out
+    assert proc.returncode == 0, out
+    # Which file was skipped, and why, is said once (by rank 0).
+    skipped = f"--resume auto skips checkpoint {tmp_path}/auto_skips_corrupt_newest/ckpt-000020.h5"
+    assert proc.stderr.count(skipped + ": dataset 'rep/b' fails its checksum") == 1, proc.stderr
+    assert "metadata checksum mismatch" in proc.stderr
+
+
+@pytest.mark.mpi
+def test_real_full_disk(tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(small)],
+                             capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        proc = run_mpi(2, WORKER + [str(tmp_path), "real_full_disk"], check=False, timeout=120,
+                       env={"SMALL_FS": str(small)})
+    finally:
+        # Lazy: the ranks' launcher may hold it a moment longer; it goes once they let go.
+        subprocess.run(["umount", "-l", str(small)], check=True)
+    out = proc.stdout + proc.stderr
+    assert "rank 0: real_full_disk ok" in out and "rank 1: real_full_disk ok" in out, out
+
+
+def test_prune_tolerates_files_another_job_removed(tmp_path, monkeypatch):
+    for step in (1, 2, 3, 4):
+        (tmp_path / f"ckpt-{step:06d}.h5").write_bytes(b"x")
+    listed = manager.list_checkpoints(str(tmp_path))
+    (tmp_path / "ckpt-000001.h5").unlink()  # the other job pruned it after our listing
+    monkeypatch.setattr(manager, "list_checkpoints", lambda d: listed)
+    assert manager.prune(str(tmp_path), 2) == []
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-000003.h5", "ckpt-000004.h5"]
+
+
+def test_prune_reports_instead_of_raising(tmp_path, monkeypatch):
+    for step in (1, 2):
+        (tmp_path / f"ckpt-{step:06d}.h5").write_bytes(b"x")
+
+    def refuse(path):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(manager.os, "remove", refuse)
+    problems = manager.prune(str(tmp_path), 1)
+    assert problems == [f"{tmp_path}/ckpt-000001.h5: Permission denied"]
+
+
+def test_latest_pointer_names_are_per_process(tmp_path):
+    manager.write_latest_pointer(str(tmp_path), str(tmp_path / "ckpt-000002.h5"))
+    assert os.listdir(tmp_path) == ["latest"]
+    assert (tmp_path / "latest").read_text() == "ckpt-000002.h5\n"
