@@ -94,16 +94,22 @@ class DDPSection:
 
 
 @dataclass
-class ZeroSection:
-    """[zero]: ZeRO stages 1-3 (strategies zero1, zero2, zero3)."""
+class UnitPolicy:
+    """How a sharded strategy cuts the model into units (the [zero] and [fsdp] keys)."""
 
-    sync_batchnorm: bool = _f(True, "BatchNorm statistics over the global batch (all ranks)")
     auto_wrap_policy: str = _f("blocks", "units: blocks (repeated blocks: ModuleList elements, "
                                "an nn.Sequential's repeated children), class (wrap_classes), "
                                "size (min_params) or none (one unit)", choices=FSDP_WRAP)
     wrap_classes: str = _f("", "comma-separated module class names for auto_wrap_policy=class, "
                            "e.g. GPTBlock")
     min_params: int = _f(0, "parameters per unit for auto_wrap_policy=size", min=0)
+
+
+@dataclass
+class ZeroSection(UnitPolicy):
+    """[zero]: ZeRO stages 1-3 (strategies zero1, zero2, zero3)."""
+
+    sync_batchnorm: bool = _f(True, "BatchNorm statistics over the global batch (all ranks)")
 
 
 @dataclass
@@ -137,18 +143,12 @@ class DomainSection:
 
 
 @dataclass
-class FSDPSection:
+class FSDPSection(UnitPolicy):
     """[fsdp]: fully sharded data parallel (strategy fsdp)."""
 
     sharding_strategy: str = _f("FULL_SHARD", "FULL_SHARD (zero3 per unit), SHARD_GRAD_OP, "
                                 "NO_SHARD (replicas) or HYBRID_SHARD (shard in node, replicate "
                                 "across)", choices=FSDP_SHARDING)
-    auto_wrap_policy: str = _f("blocks", "units: blocks (repeated blocks: ModuleList elements, "
-                               "an nn.Sequential's repeated children), class (wrap_classes), "
-                               "size (min_params) or none (one unit)", choices=FSDP_WRAP)
-    wrap_classes: str = _f("", "comma-separated module class names for auto_wrap_policy=class, "
-                           "e.g. GPTBlock")
-    min_params: int = _f(0, "parameters per unit for auto_wrap_policy=size", min=0)
     backward_prefetch: str = _f("BACKWARD_PRE", "gather the next unit before this unit's backward "
                                 "(BACKWARD_PRE) or not (NONE)", choices=FSDP_PREFETCH)
     param_dtype: str = _f("", "dtype of gathered params the model computes with ('': keep fp32)",
