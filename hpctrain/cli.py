@@ -8,6 +8,7 @@ import sys
 
 from hpctrain import __version__
 from hpctrain.config import BUILTIN_MODELS, STRATEGIES, ConfigError, load_config, parse_assignment
+from hpctrain.errors import UsageError
 
 __all__ = ["main", "build_parser"]
 
@@ -229,7 +230,6 @@ def _prepare(args, launch):
         if rank == 0:
             print(cfg.to_toml())
         return 0
-    from hpctrain.errors import UsageError
     from hpctrain.train.preflight import check_dataset, preflight
 
     try:
@@ -268,7 +268,6 @@ def cmd_train(args) -> int:
         return prepared
     cfg, built = prepared
     from hpctrain.checkpoint import CheckpointError
-    from hpctrain.errors import UsageError
     from hpctrain.runtime.abort import fail_together
     from hpctrain.runtime.world import init_world
     from hpctrain.train.preemption import PREEMPT_EXIT_CODE, Preempted
@@ -277,7 +276,7 @@ def cmd_train(args) -> int:
     try:
         world = init_world(cfg.runtime.ranks_per_node, cfg.runtime.device)
     except UsageError as exc:
-        # Processes MPI does not join (torchrun) are each alone: each one says it.
+        # srun without PMI: each process is alone in its MPI world, so each one says it.
         return fail_together(str(exc), code=2)
     try:
         Trainer(cfg, world=world, built=built).fit()

@@ -128,8 +128,10 @@ class Trainer:
         ck, host = self.cfg.checkpoint, self.world.host
         path, saved = checkpoint.latest(ck.dir), True
         if saved_step != step:
-            left = host.allreduce_scalars([preempt.time_left_s()], op="min")[0]
-            need = host.allreduce_scalars([self._save_estimate_s()], op="max")[0]
+            # One reduction: the least time left (as -max of -left) and the longest save.
+            neg_left, need = host.allreduce_scalars(
+                [-preempt.time_left_s(), self._save_estimate_s()], op="max")
+            left = -neg_left
             if need <= left:
                 path = self.save(step, losses)
             else:
