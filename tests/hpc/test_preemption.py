@@ -193,6 +193,14 @@ class OneRankSum(OneRank):
         return list(values)
 
 
+class _OneRankComm:
+    def Get_rank(self):
+        return 0
+
+    def bcast(self, obj, root=0):
+        return obj
+
+
 def _run_until_steps(args, env, tmp_path, steps):
     proc = subprocess.Popen(args, env=env, cwd=str(tmp_path), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -231,7 +239,15 @@ def test_sigterm_to_mpirun_never_loses_a_checkpoint(tmp_path, sigkill_after):
             proc.wait()
     assert proc.returncode != 0, out
     files = sorted(os.listdir(tmp_path / "ck"))
-    assert not [f for f in files if f.endswith(".tmp")], files
+    latest = (tmp_path / "ck" / "latest").read_text().strip()
+    assert latest in files and not latest.endswith(".tmp"), files
+    # SIGTERM may land while a periodic save is writing: SIGKILL then leaves its .tmp (never
+    # named by latest), and the next start removes it, as clean_stale does here.
+    tmps = [f for f in files if f.endswith(".tmp")]
+    assert all(t > latest for t in tmps), files
+    from hpctrain.checkpoint import clean_stale
+    clean_stale(str(tmp_path / "ck"), _OneRankComm())
+    assert not [f for f in os.listdir(tmp_path / "ck") if f.endswith(".tmp")]
     if sigkill_after is None:
         assert "no time to checkpoint; exiting 75" in out, out
         assert took < 10, out
