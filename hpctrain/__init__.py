@@ -25,7 +25,8 @@ def init(ranks_per_node: int = 0, device: str = "auto"):
     return init_world(ranks_per_node=ranks_per_node, device=device)
 
 
-def parallelize(model, optimizer, strategy: str = "ddp", world=None, options=None):
+def parallelize(model, optimizer, strategy: str = "ddp", world=None, options=None,
+                mesh: str = "", dp_flavour: str = ""):
     """Wrap model and optimizer with a strategy; returns a Parallelized (collective).
 
     ``optimizer`` is either a factory ``params -> Optimizer`` (preferred: sharded strategies
@@ -33,6 +34,8 @@ def parallelize(model, optimizer, strategy: str = "ddp", world=None, options=Non
     ``strategy`` is one of ``parallel.STRATEGY_MODULES``: "zero1"/"zero2"/"zero3" run that
     stage (``options`` naming another stage is a ValueError); "pipeline" takes an
     nn.Sequential (one layer per child) or a LayerStack; "single" needs a one-rank world.
+    ``mesh`` and ``dp_flavour`` compose, as on the command line: ``strategy="zero3",
+    mesh="dom=2,dp=2"`` splits each sample over 2 ranks and shards over 2 replicas.
     See ``Parallelized`` for which of its methods are collective.
     """
     import torch
@@ -47,7 +50,7 @@ def parallelize(model, optimizer, strategy: str = "ddp", world=None, options=Non
     else:
         raise TypeError(f"optimizer must be a torch.optim.Optimizer or a callable params -> "
                         f"Optimizer, got {type(optimizer).__name__}")
-    return parallel.wrap(strategy, model, make, world or init(), options)
+    return parallel.wrap(strategy, model, make, world or init(), options, mesh, dp_flavour)
 
 
 def __getattr__(name):

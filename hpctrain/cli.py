@@ -30,7 +30,10 @@ TRAIN_FLAGS = {
     "out_dir": ("train", "out_dir", str, "directory for metrics.csv"),
     "progress": ("train", "progress", str, "progress bar: auto, on, off"),
     "log_every": ("train", "log_every", int, "log every N steps without a progress bar"),
-    "mesh": ("runtime", "mesh", str, "mesh degrees, e.g. dp=2,pp=2 or dom=2x2"),
+    "mesh": ("runtime", "mesh", str, "mesh degrees, e.g. pp=2,dp=2 or dom=2,dp=2 (composes "
+             "with the dp flavour)"),
+    "dp_flavour": ("runtime", "dp_flavour", str, "data-parallel flavour over the mesh's dp "
+                   "replicas: ddp, zero1, zero2, zero3 or fsdp"),
     "ranks_per_node": ("runtime", "ranks_per_node", int, "pretend N ranks per node"),
     "device": ("runtime", "device", str, "auto, cpu or cuda"),
     "checkpoint_dir": ("checkpoint", "dir", str, "write checkpoints to this directory"),

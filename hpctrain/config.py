@@ -22,6 +22,7 @@ __all__ = [
 # models/registry.py BUILTIN: the same (kept here so `--help` and validation need no torch).
 BUILTIN_MODELS = ("gpt", "mlp", "unet")
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "pipeline", "domain")
+DP_FLAVOURS = ("ddp", "zero1", "zero2", "zero3", "fsdp")  # parallel/plan.py FLAVOURS: the same
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 PIPELINE_BALANCE = ("param-count", "measured")
 PIPELINE_P2P = ("auto", "eager", "ordered")  # parallel/pipeline/p2p.py P2P_MODES: the same
@@ -40,7 +41,7 @@ DEVICES = ("auto", "cpu", "cuda")
 # The option tables each strategy reads; a changed value in any other one would be ignored.
 STRATEGY_SECTIONS = {
     "single": (), "ddp": ("ddp",), "zero1": ("zero",), "zero2": ("zero",), "zero3": ("zero",),
-    "fsdp": ("fsdp",), "pipeline": ("pipeline",), "domain": ("domain",),
+    "fsdp": ("fsdp",), "pipeline": ("pipeline",), "domain": ("domain", "ddp"),
 }
 STRATEGY_TABLES = ("ddp", "zero", "fsdp", "pipeline", "domain")
 
@@ -164,7 +165,10 @@ class FSDPSection(UnitPolicy):
 class RuntimeSection:
     """[runtime]: the world, devices and the mesh."""
 
-    mesh: str = _f("", "mesh degrees, e.g. 'dp=2,pp=2' (empty: all ranks data parallel)")
+    mesh: str = _f("", "mesh degrees, e.g. 'dp=2,pp=2' or 'dp=2,dom=2' (empty: the strategy's "
+                   "own: all ranks dp, pp or dom)")
+    dp_flavour: str = _f("", "data-parallel flavour over the mesh's dp replicas: ddp, zero1, zero2, "
+                         "zero3 or fsdp (empty: the strategy's)", choices=("",) + DP_FLAVOURS)
     ranks_per_node: int = _f(0, "pretend this many ranks per node (0: detect)", min=0)
     device: str = _f("auto", "device: auto (GPU by local rank if any), cpu, cuda", choices=DEVICES)
 
@@ -203,21 +207,17 @@ class Config:
             for f in dataclasses.fields(section):
                 _check_field(f"{sname}.{f.name}", getattr(section, f.name), f)
         t = self.train
-        self._validate_tables_used()
-        if t.strategy == "single" and world_size > 1:
-            raise ConfigError(
-                f"train.strategy = 'single' but the launcher started {world_size} ranks; "
-                f"each rank would train alone. Use --strategy ddp (or another parallel strategy) "
-                f"or launch one process")
+        plan = self.plan(world_size)
+        self._validate_tables_used(plan)
         if t.grad_accum > t.global_batch_size:
             raise ConfigError(
                 f"train.grad_accum = {t.grad_accum} is larger than train.global_batch_size = "
                 f"{t.global_batch_size}: every micro-batch needs at least one sample; lower "
                 f"--grad-accum or raise --global-batch-size")
         per_micro = t.global_batch_size // t.grad_accum
-        batch_ranks = self._batch_ranks(world_size)
-        if t.strategy == "pipeline":
-            self._validate_pipeline(world_size)
+        batch_ranks = plan.batch_ranks
+        if plan.pipeline:
+            self._validate_pipeline(plan)
         elif per_micro < batch_ranks:
             raise ConfigError(
                 f"train.global_batch_size = {t.global_batch_size} with grad_accum = {t.grad_accum} "
@@ -233,14 +233,34 @@ class Config:
             raise ConfigError(f"runtime.ranks_per_node = {rpn}: the {world_size} ranks launched "
                               f"are not divisible by it; launch a multiple of {rpn} ranks or "
                               f"change --ranks-per-node")
-        self._validate_mesh(world_size)
-        if t.strategy in ("fsdp", "zero1", "zero2", "zero3"):
-            self._validate_wrap(STRATEGY_SECTIONS[t.strategy][0])
+        if plan.flavour in ("fsdp", "zero1", "zero2", "zero3") and not plan.pipeline:
+            self._validate_wrap("fsdp" if plan.flavour == "fsdp" else "zero")
         return self
 
-    def _validate_tables_used(self) -> None:
-        """Refuse a changed option of a table the strategy never reads (it would do nothing)."""
-        used = STRATEGY_SECTIONS[self.train.strategy]
+    def plan(self, world_size: int):
+        """The ParallelPlan of this config at world_size (ConfigError if it cannot run)."""
+        from hpctrain.parallel.plan import build_plan
+
+        try:
+            return build_plan(self.train.strategy, self.runtime.mesh, world_size,
+                              self.runtime.dp_flavour, self.pipeline.dp_sharding)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def tables_read(self, plan) -> tuple:
+        """The strategy option tables the plan reads (the pipeline's stages carry their own
+        dp flavour, without options)."""
+        from hpctrain.parallel.plan import FLAVOUR_TABLES
+
+        if plan.name == "single":
+            return ()
+        if plan.pipeline:
+            return ("pipeline",)
+        return (("domain",) if plan.domain else ()) + (FLAVOUR_TABLES[plan.flavour],)
+
+    def _validate_tables_used(self, plan) -> None:
+        """Refuse a changed option of a table the plan never reads (it would do nothing)."""
+        used = self.tables_read(plan)
         for sname in STRATEGY_TABLES:
             if sname in used:
                 continue
@@ -251,28 +271,13 @@ class Config:
                     users = [s for s, tables in STRATEGY_SECTIONS.items() if sname in tables]
                     raise ConfigError(
                         f"{sname}.{f.name} = {value!r} is set, but train.strategy = "
-                        f"{self.train.strategy!r} does not read [{sname}] (used by "
-                        f"{', '.join(users)}); drop the option or pick one of those strategies")
+                        f"{self.train.strategy!r} (plan {plan.name}) does not read [{sname}] "
+                        f"(used by {', '.join(users)}); drop the option or pick one of those "
+                        f"strategies")
 
     def effective_mesh(self, world_size: int) -> str:
-        """The mesh in use: runtime.mesh, or the strategy's default when it is empty."""
-        if self.runtime.mesh:
-            return self.runtime.mesh
-        default = {"pipeline": "pp", "domain": "dom"}.get(self.train.strategy, "dp")
-        return f"{default}={world_size}"
-
-    def _batch_ranks(self, world_size: int) -> int:
-        """Ranks that split each micro-batch: all of them, or the dp degree under domain."""
-        if self.train.strategy != "domain":
-            return world_size
-        from hpctrain.runtime.mesh import MeshLayout
-
-        try:
-            mesh = self.runtime.mesh
-            layout = MeshLayout.parse(mesh).resolve(world_size) if mesh else None
-        except ValueError:
-            return world_size  # _validate_mesh reports it
-        return 1 if layout is None else layout.dp
+        """The mesh in use, as the plan resolves it (e.g. 'pp=2,dp=2,dom=1,tp=1')."""
+        return self.plan(world_size).mesh_text()
 
     def _validate_wrap(self, name: str) -> None:
         """The unit policy of [fsdp] or [zero] has what it needs."""
@@ -284,38 +289,10 @@ class Config:
             raise ConfigError(f"{name}.auto_wrap_policy = 'size' needs {name}.min_params >= 1, "
                               f"got {s.min_params}; e.g. --set {name}.min_params=100000")
 
-    def _validate_mesh(self, world_size: int) -> None:
-        from hpctrain.runtime.mesh import MeshLayout
-
-        if self.train.strategy == "domain":
-            self._validate_domain_mesh(world_size)
-            return
-        try:
-            layout = MeshLayout.parse(self.runtime.mesh).resolve(world_size)
-        except ValueError as exc:
-            raise ConfigError(f"runtime.mesh = {self.runtime.mesh!r}: {exc}") from None
-        used = {k: v for k, v in layout.degrees().items() if k != "dp" and v > 1}
-        if self.train.strategy == "pipeline":
-            return  # checked by _validate_pipeline
-        if used and self.train.strategy in ("single", "ddp", "zero1", "zero2", "zero3", "fsdp"):
-            raise ConfigError(
-                f"runtime.mesh = {self.runtime.mesh!r} uses {', '.join(used)} but strategy "
-                f"{self.train.strategy!r} only uses dp; drop those degrees or pick a strategy that uses them")
-
-    def _validate_pipeline(self, world_size: int) -> None:
-        """Pipeline rules: mesh of pp x dp only, micro-batches that divide the batch, fp32/bf16."""
-        from hpctrain.runtime.mesh import MeshLayout
-
+    def _validate_pipeline(self, plan) -> None:
+        """Pipeline rules: micro-batches that divide the batch, fp32/bf16."""
         t, pl = self.train, self.pipeline
-        mesh = self.runtime.mesh or f"pp={world_size},dp=1"
-        try:
-            layout = MeshLayout.parse(mesh).resolve(world_size)
-        except ValueError as exc:
-            raise ConfigError(f"runtime.mesh = {self.runtime.mesh!r}: {exc}") from None
-        if layout.tp != 1 or layout.dom_size != 1:
-            raise ConfigError(f"runtime.mesh = {self.runtime.mesh!r}: strategy 'pipeline' uses "
-                              f"only pp and dp; drop tp/dom")
-        m, dp, p = pl.microbatches, layout.dp, layout.pp
+        m, dp, p = pl.microbatches, plan.dp, plan.pp
         if t.global_batch_size % (t.grad_accum * dp * m):
             raise ConfigError(
                 f"pipeline.microbatches = {m} does not divide the batch: global_batch_size = "
@@ -333,18 +310,6 @@ class Config:
         if t.precision == "fp16":
             raise ConfigError("train.precision = 'fp16' is not supported with strategy "
                               "'pipeline' (stages would need to agree on skipped steps); use bf16")
-    def _validate_domain_mesh(self, world_size: int) -> None:
-        from hpctrain.runtime.mesh import MeshLayout
-
-        mesh = self.runtime.mesh
-        try:
-            layout = MeshLayout.parse(mesh).resolve(world_size) if mesh else None
-        except ValueError as exc:
-            raise ConfigError(f"runtime.mesh = {mesh!r}: {exc}") from None
-        if layout is not None and (layout.pp > 1 or layout.tp > 1):
-            raise ConfigError(f"runtime.mesh = {mesh!r} uses pp/tp but strategy 'domain' uses dp "
-                              f"and dom only; e.g. --mesh dom=2x2 or --mesh dp=2,dom=2")
-
     def sections(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 

@@ -84,7 +84,8 @@ def test_effective_mesh_defaults_follow_the_strategy():
     assert mesh("ddp") == "dp=4"
     assert mesh("pipeline") == "pp=4"
     assert mesh("domain") == "dom=4"
-    assert mesh("pipeline", "dp=2,pp=2") == "dp=2,pp=2"
+    assert mesh("pipeline", "dp=2,pp=2") == "pp=2,dp=2"
+    assert mesh("zero3", "dom=2,dp=2") == "dp=2,dom=2"
 
 
 def test_dotted_set_and_later_tables_merge_into_the_toml_table(tmp_path):

@@ -125,20 +125,20 @@ def _print_exchange(r) -> None:
 
 
 def _domain_step(world, model, x, y, overlap, dom):
-    """One training step of the U-Net split over ``dom`` ranks (a closure; collective)."""
-    from hpctrain.parallel.domain.convert import to_domain
-    from hpctrain.parallel.domain.halo import DomainGrid
-    from hpctrain.parallel.domain.strategy import DomainParallel
+    """One training step of the U-Net split over ``dom`` ranks (a closure; collective): the
+    domain plan through the orchestrator, as the trainer builds it."""
+    from hpctrain.parallel.domain.strategy import DomainOptions
+    from hpctrain.parallel.orchestrator import parallelize
+    from hpctrain.parallel.plan import build_plan
     from hpctrain.train.precision import Precision
 
-    comm = world.comm
-    grid = DomainGrid(comm, (dom, 1))
-    m = to_domain(copy.deepcopy(model), grid, comm, overlap=overlap)
-    par = DomainParallel(m, torch.optim.AdamW(m.parameters(), lr=1e-4), grid, comm, 0, 1)
-    lo, hi = grid.tile(tuple(x.shape[-2:]))
-    box = (Ellipsis, slice(lo[0], hi[0]), slice(lo[1], hi[1]))
-    xs, ys = x[box].contiguous(), y[box].contiguous()
-    par._shapes = (tuple(x.shape[-2:]),) * 2
+    plan = build_plan("domain", f"dom={dom}", world.size)
+    par = parallelize(plan, copy.deepcopy(model), lambda ps: torch.optim.AdamW(ps, lr=1e-4),
+                      world, {"domain": DomainOptions(overlap=overlap)})
+    executor = par._executor
+    glob = tuple(x.shape[-2:])
+    xs, ys = executor.crop(x, glob), executor.crop(y, glob)
+    executor.set_global_shapes(glob, glob)
     prec = Precision("fp32", torch.device("cpu"))
 
     def step():

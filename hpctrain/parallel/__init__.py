@@ -1,18 +1,16 @@
-"""Parallel strategies: one module each, each with ONE public ``wrap`` entry.
+"""Parallel transforms (one module each, ONE public entry) and the orchestrator over them.
 
-``wrap(model, make_optimizer, world, options)`` returns a Parallelized. Strategy modules
-are imported lazily so that ``single`` never needs Horovod. A module serving several names
-(zero1-3) defines ``options_for(name, options)``, which makes the options agree with the name.
+``plan.py`` builds the validated ParallelPlan; ``orchestrator.parallelize(plan, ...)``
+applies the transforms in their fixed order and returns a Parallelized. ``wrap(strategy,
+...)`` is the shorthand entry of the Python API. Modules are imported lazily so that
+``single`` never needs Horovod and ``plan`` needs no torch.
 """
 
 from __future__ import annotations
 
-import importlib
-
-from hpctrain.parallel.base import OptimizerFactory, Parallelized
-
 __all__ = ["STRATEGY_MODULES", "wrap", "Parallelized", "OptimizerFactory"]
 
+# The shorthand strategy names and the module of each one's main transform.
 STRATEGY_MODULES = {
     "single": "hpctrain.parallel.single",
     "ddp": "hpctrain.parallel.ddp",
@@ -27,11 +25,42 @@ STRATEGY_MODULES = {
 }
 
 
-def wrap(strategy: str, model, make_optimizer: OptimizerFactory, world, options=None) -> Parallelized:
-    """Apply the named strategy to model and optimizer (collective over the world)."""
+def __getattr__(name):
+    # Lazy: parallel.plan must import without torch (config checks run before it loads).
+    if name in ("Parallelized", "OptimizerFactory"):
+        from hpctrain.parallel import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module 'hpctrain.parallel' has no attribute {name!r}")
+
+
+_TABLE = {"ddp": "ddp", "zero1": "zero", "zero2": "zero", "zero3": "zero", "fsdp": "fsdp",
+          "pipeline": "pipeline", "domain": "domain"}
+
+
+def wrap(strategy: str, model, make_optimizer, world, options=None, mesh: str = "",
+         dp_flavour: str = ""):
+    """Apply the named strategy (a one-dimensional plan; with ``mesh``/``dp_flavour`` a
+    composed one) to model and optimizer through the orchestrator (collective over the
+    world). ``options`` is the strategy's own options object (ZeroOptions, PipelineOptions,
+    ...); a zero stage contradicting the name is a ValueError before any collective."""
+    from hpctrain.parallel.orchestrator import parallelize
+    from hpctrain.parallel.plan import build_plan
+
     if strategy not in STRATEGY_MODULES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGY_MODULES)}")
-    module = importlib.import_module(STRATEGY_MODULES[strategy])
-    if hasattr(module, "options_for"):
-        options = module.options_for(strategy, options)
-    return module.wrap(model, make_optimizer, world, options)
+    if strategy in ("zero1", "zero2", "zero3"):
+        from hpctrain.parallel.zero import options_for
+
+        options = options_for(strategy, options)  # before the world is touched
+    if strategy == "single" and world is not None and world.size > 1:
+        from hpctrain.parallel import single
+
+        return single.wrap(model, make_optimizer, world)  # its own error names the fix
+    pipeline_mesh = getattr(options, "mesh", "") if strategy == "pipeline" else ""
+    if pipeline_mesh and not isinstance(pipeline_mesh, str):
+        pipeline_mesh = pipeline_mesh.describe()
+    plan = build_plan(strategy, mesh or pipeline_mesh, world.size, dp_flavour,
+                      getattr(options, "dp_sharding", "ddp") if strategy == "pipeline" else "ddp")
+    table = _TABLE.get(strategy)
+    return parallelize(plan, model, make_optimizer, world, {table: options} if table else {})

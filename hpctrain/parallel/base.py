@@ -10,10 +10,38 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["OptimizerFactory", "Parallelized"]
+__all__ = ["OptimizerFactory", "Parallelized", "DPGroups"]
 
 # Strategies build the optimizer themselves (sharded ones over their local shard only).
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+class DPGroups:
+    """The communicators a data-parallel flavour works over, given by the orchestrator.
+
+    ``dp``: the replicas that split the batch (gradients summed, state sharded over them);
+    ``partial``: groups whose ranks hold PARTIAL gradients of the same parameters (the tiles
+    of a domain split), summed over too. ``batch``: every rank holding part of the global
+    batch (BatchNorm statistics), dp times the partial groups.
+    """
+
+    def __init__(self, dp, partial=(), batch=None):
+        self.dp = dp
+        self.partial = tuple(c for c in partial if c.size > 1)
+        self.batch = batch if batch is not None else dp
+
+    @classmethod
+    def of_world(cls, world) -> "DPGroups":
+        """Every rank a dp replica (a one-dimensional plan)."""
+        return cls(world.comm, (), world.comm)
+
+    @property
+    def sum_size(self) -> int:
+        """How many ranks a gradient is summed over."""
+        n = self.dp.size
+        for c in self.partial:
+            n *= c.size
+        return n
 
 
 class Parallelized:

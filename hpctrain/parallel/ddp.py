@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hpctrain.parallel.base import OptimizerFactory, Parallelized
+from hpctrain.errors import UsageError
+from hpctrain.parallel.base import DPGroups, OptimizerFactory, Parallelized
 from hpctrain.parallel.sync_batchnorm import convert_sync_batchnorm
 
 __all__ = ["DDPOptions", "wrap"]
@@ -74,17 +75,26 @@ class HorovodDDP(Parallelized):
             super()._optimizer_step(scaler)
 
 
-def wrap(model: nn.Module, make_optimizer: OptimizerFactory, world, options: DDPOptions | None = None
-         ) -> Parallelized:
-    """Replicate model over all ranks with Horovod (collective over the world)."""
+def wrap(model: nn.Module, make_optimizer: OptimizerFactory, world, options: DDPOptions | None = None,
+         groups: DPGroups | None = None) -> Parallelized:
+    """Replicate model over the dp replicas with Horovod (collective over the world).
+
+    Horovod reduces over the communicator it was started on, the whole job: ``groups`` (from
+    the orchestrator) must sum gradients over every rank (dp times any partial groups, e.g.
+    the tiles of a domain split)."""
     opts = options or DDPOptions()
+    groups = groups or DPGroups.of_world(world)
+    if groups.sum_size != world.size:
+        raise UsageError(f"the ddp flavour (Horovod) sums gradients over all {world.size} ranks, "
+                         f"but this plan sums them over {groups.sum_size}; use --dp-flavour "
+                         f"zero1/zero2 for it")
     if world.device.type != "cpu" and not _gpu_ops_built():
         raise RuntimeError("Horovod was built without GPU operations; rebuild with "
                            "HOROVOD_GPU_OPERATIONS=NCCL (make setup with CUDA loaded)")
     hvd = _init_horovod(world.mpi_comm, opts)
     model.to(world.device)
     if opts.sync_batchnorm:  # batch statistics of the global batch, as in one process
-        model = convert_sync_batchnorm(model, world.comm)
+        model = convert_sync_batchnorm(model, groups.batch)
     # Parameters AND buffers from rank 0, so a user model with random init still agrees.
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     optimizer = make_optimizer(model.parameters())

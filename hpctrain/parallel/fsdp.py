@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hpctrain.parallel.base import OptimizerFactory, Parallelized
+from hpctrain.parallel.base import DPGroups, OptimizerFactory, Parallelized
 from hpctrain.parallel.flat_buffer import FlatUnit
 from hpctrain.parallel.sharding.engine import ShardedModel, ShardPlan, broadcast_state
 from hpctrain.parallel.sharding.schedule import GatherSchedule, cast_floating_inputs
@@ -82,17 +82,17 @@ class FSDPOptions:
                              "(the number of backward calls per step)")
 
 
-def _groups(world, strategy: str):
-    """(shard communicator, replicate communicator or None) on the world's device."""
-    if strategy == "FULL_SHARD" or strategy == "SHARD_GRAD_OP" or world.size == 1:
-        return world.comm, None
+def _groups(world, strategy: str, dp):
+    """(shard communicator, replicate communicator or None) over the dp replicas ``dp``."""
+    if strategy == "FULL_SHARD" or strategy == "SHARD_GRAD_OP" or dp.size == 1:
+        return dp, None
     if strategy == "NO_SHARD":
-        return SoloCommunicator(world.comm.device), world.comm
-    # HYBRID_SHARD: the runtime's node and cross-node groups (device ones on GPUs).
-    if world.comm is world.host:
-        return world.node, world.cross
-    node = world.comm.split(world.node_rank, key=world.rank)
-    cross = world.comm.split(world.local_rank, key=world.rank)
+        return SoloCommunicator(dp.device), dp
+    # HYBRID_SHARD: shard over the replicas on this node, replicate across nodes.
+    if dp is world.comm and world.comm is world.host:
+        return world.node, world.cross  # the runtime's (every rank a replica)
+    node = dp.split(world.node_rank, key=dp.rank)
+    cross = dp.split(node.rank, key=dp.rank)
     return node, cross
 
 
@@ -100,26 +100,28 @@ class FSDP(ShardedModel):
     """A model sharded by fsdp (the engine does the work)."""
 
     def __init__(self, model, make_optimizer, world, units, frozen, opts: FSDPOptions,
-                 shard_comm, replicate_comm, schedule):
+                 shard_comm, replicate_comm, schedule, partial_comms=()):
         self.opts = opts
         plan = ShardPlan(name="fsdp", stage=_STAGE[opts.sharding_strategy],
                          grad_accum=opts.grad_accum, on_demand=schedule is not None,
                          reduce_dtype=DTYPES[opts.reduce_dtype])
         super().__init__(model, make_optimizer, world, units, frozen, plan, shard_comm,
-                         replicate_comm, schedule)
+                         replicate_comm, schedule, partial_comms)
 
 
 def wrap(model: nn.Module, make_optimizer: OptimizerFactory, world,
-         options: FSDPOptions | None = None) -> Parallelized:
-    """Shard model and optimizer with fsdp (collective over the world)."""
+         options: FSDPOptions | None = None, groups: DPGroups | None = None) -> Parallelized:
+    """Shard model and optimizer with fsdp over the dp replicas (``groups``: from the
+    orchestrator; default every rank a replica). Collective over the world."""
     opts = options or FSDPOptions()
+    groups = groups or DPGroups.of_world(world)
     wrapped = wrapped_modules(model, opts)  # a bad policy fails here, on every rank alike
     model.to(world.device)
     if opts.sync_batchnorm:  # batch statistics of the global batch, as in one process
-        model = convert_sync_batchnorm(model, world.comm)
+        model = convert_sync_batchnorm(model, groups.batch)
     broadcast_state(model, world.comm)
     specs, frozen = partition_modules(model, rebind(model, wrapped))
-    shard_comm, replicate_comm = _groups(world, opts.sharding_strategy)
+    shard_comm, replicate_comm = _groups(world, opts.sharding_strategy, groups.dp)
     param_dtype = DTYPES[opts.param_dtype]
     offload = opts.cpu_offload and world.device.type != "cpu"
     if opts.cpu_offload and not offload and world.rank == 0:
@@ -144,5 +146,5 @@ def wrap(model: nn.Module, make_optimizer: OptimizerFactory, world,
     if param_dtype is not None:
         cast_floating_inputs(model, param_dtype)
     return FSDP(model, make_optimizer, world, units, frozen, opts, shard_comm, replicate_comm,
-                schedule)
+                schedule, groups.partial)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
-from hpctrain.parallel.base import OptimizerFactory, Parallelized
+from hpctrain.parallel.base import DPGroups, OptimizerFactory, Parallelized
 from hpctrain.parallel.flat_buffer import FlatUnit
 from hpctrain.parallel.sharding.engine import ShardedModel, ShardPlan, broadcast_state
 from hpctrain.parallel.sharding.schedule import GatherSchedule
@@ -79,27 +79,31 @@ def options_for(strategy: str, options: ZeroOptions | None) -> ZeroOptions:
 class Zero(ShardedModel):
     """A model sharded by ZeRO stage 1, 2 or 3 (the engine does the work)."""
 
-    def __init__(self, model, make_optimizer, world, units, frozen, opts: ZeroOptions, schedule):
+    def __init__(self, model, make_optimizer, world, units, frozen, opts: ZeroOptions, schedule,
+                 groups: DPGroups):
         self.opts = opts
         plan = ShardPlan(name=f"zero{opts.stage}", stage=opts.stage, grad_accum=opts.grad_accum,
                          persistent_grads=opts.stage == 1, on_demand=opts.stage == 3)
-        super().__init__(model, make_optimizer, world, units, frozen, plan, schedule=schedule)
+        super().__init__(model, make_optimizer, world, units, frozen, plan, shard_comm=groups.dp,
+                         schedule=schedule, partial_comms=groups.partial)
 
 
-def wrap(model: nn.Module, make_optimizer: OptimizerFactory, world, options: ZeroOptions | None = None
-         ) -> Parallelized:
-    """Shard model and optimizer over all ranks with ZeRO (collective over the world)."""
+def wrap(model: nn.Module, make_optimizer: OptimizerFactory, world, options: ZeroOptions | None = None,
+         groups: DPGroups | None = None) -> Parallelized:
+    """Shard model and optimizer over the dp replicas with ZeRO (``groups``: from the
+    orchestrator; default every rank a replica). Collective over the world."""
     if options is None or options.stage is None:
         raise ValueError(f"zero.wrap needs the stage: got {options!r}; pass ZeroOptions(stage=1, "
                          "2 or 3), or use parallel.wrap('zero2', ...) (hpctrain.parallelize), "
                          "which takes it from the name")
     opts = options
+    groups = groups or DPGroups.of_world(world)
     wrapped = wrapped_modules(model, opts)  # a bad policy fails here, on every rank alike
     model.to(world.device)
     if opts.sync_batchnorm:  # batch statistics of the global batch, as in one process
-        model = convert_sync_batchnorm(model, world.comm)
+        model = convert_sync_batchnorm(model, groups.batch)
     broadcast_state(model, world.comm)
     specs, frozen = partition_modules(model, rebind(model, wrapped))
-    units = [FlatUnit(s.name, s.params, world.comm, keep_full=opts.stage < 3) for s in specs]
+    units = [FlatUnit(s.name, s.params, groups.dp, keep_full=opts.stage < 3) for s in specs]
     schedule = GatherSchedule(specs, units) if opts.stage == 3 else None
-    return Zero(model, make_optimizer, world, units, frozen, opts, schedule)
+    return Zero(model, make_optimizer, world, units, frozen, opts, schedule, groups)

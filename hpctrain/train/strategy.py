@@ -1,4 +1,4 @@
-"""The orchestrator's config reading: typed strategy options and the optimizer factory."""
+"""Config -> what the orchestrator takes: typed options per table and the optimizer factory."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 
 from hpctrain.config import Config, TrainSection
 
-__all__ = ["make_optimizer_factory", "strategy_options"]
+__all__ = ["make_optimizer_factory", "plan_options", "strategy_options"]
 
 
 def make_optimizer_factory(t: TrainSection):
@@ -20,40 +20,44 @@ def make_optimizer_factory(t: TrainSection):
     return make
 
 
-def strategy_options(cfg: Config):
-    """Build the typed options object of the configured strategy from its config table."""
-    s = cfg.train.strategy
-    if s == "ddp":
-        from hpctrain.parallel.ddp import DDPOptions
+def plan_options(cfg: Config, flavour: str | None = None) -> dict:
+    """Typed options of every table a plan may read, keyed by table name (the orchestrator
+    picks the ones its transforms use); ``flavour`` sets the zero stage (default: the
+    strategy's, or runtime.dp_flavour)."""
+    from hpctrain.parallel.ddp import DDPOptions
+    from hpctrain.parallel.domain.strategy import DomainOptions
+    from hpctrain.parallel.pipeline import PipelineOptions
+    from hpctrain.parallel.zero import ZeroOptions
 
-        d = cfg.ddp
-        return DDPOptions(fp16_compression=d.fp16_compression,
+    t, d, z, pl = cfg.train, cfg.ddp, cfg.zero, cfg.pipeline
+    flavour = flavour or cfg.runtime.dp_flavour or t.strategy
+    stage = int(flavour[-1]) if flavour in ("zero1", "zero2", "zero3") else None
+    return {
+        "ddp": DDPOptions(fp16_compression=d.fp16_compression,
                           fusion_threshold_mb=d.fusion_threshold_mb,
-                          cycle_time_ms=d.cycle_time_ms, grad_accum=cfg.train.grad_accum,
-                          sync_batchnorm=d.sync_batchnorm)
-    if s in ("zero1", "zero2", "zero3"):
-        from hpctrain.parallel.zero import ZeroOptions
+                          cycle_time_ms=d.cycle_time_ms, grad_accum=t.grad_accum,
+                          sync_batchnorm=d.sync_batchnorm),
+        "zero": ZeroOptions(stage=stage, grad_accum=t.grad_accum,
+                            sync_batchnorm=z.sync_batchnorm, auto_wrap_policy=z.auto_wrap_policy,
+                            wrap_classes=_class_names(z.wrap_classes), min_params=z.min_params),
+        "fsdp": fsdp_options(cfg),
+        "pipeline": PipelineOptions(schedule=pl.schedule, microbatches=pl.microbatches,
+                                    virtual_stages=pl.virtual_stages, balance=pl.balance,
+                                    split_points=pl.split_points,
+                                    activation_checkpointing=t.activation_checkpointing,
+                                    dp_sharding=pl.dp_sharding, p2p=pl.p2p),
+        "domain": DomainOptions(overlap=cfg.domain.overlap),
+    }
 
-        z = cfg.zero
-        return ZeroOptions(stage=int(s[-1]), grad_accum=cfg.train.grad_accum,
-                           sync_batchnorm=z.sync_batchnorm, auto_wrap_policy=z.auto_wrap_policy,
-                           wrap_classes=_class_names(z.wrap_classes), min_params=z.min_params)
-    if s == "pipeline":
-        from hpctrain.parallel.pipeline import PipelineOptions
 
-        pl = cfg.pipeline
-        return PipelineOptions(mesh=cfg.runtime.mesh, schedule=pl.schedule,
-                               microbatches=pl.microbatches, virtual_stages=pl.virtual_stages,
-                               balance=pl.balance, split_points=pl.split_points,
-                               activation_checkpointing=cfg.train.activation_checkpointing,
-                               dp_sharding=pl.dp_sharding, p2p=pl.p2p)
-    if s == "domain":
-        from hpctrain.parallel.domain.strategy import DomainOptions
+_TABLE = {"ddp": "ddp", "zero1": "zero", "zero2": "zero", "zero3": "zero", "fsdp": "fsdp",
+          "pipeline": "pipeline", "domain": "domain"}
 
-        return DomainOptions(mesh=cfg.runtime.mesh, overlap=cfg.domain.overlap)
-    if s == "fsdp":
-        return fsdp_options(cfg)
-    return None
+
+def strategy_options(cfg: Config):
+    """The typed options of the strategy's own table (None for single)."""
+    table = _TABLE.get(cfg.train.strategy)
+    return plan_options(cfg)[table] if table else None
 
 
 def fsdp_options(cfg: Config):

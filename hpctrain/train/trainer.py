@@ -8,18 +8,18 @@ import time
 
 import torch
 
-from hpctrain import checkpoint, parallel
+from hpctrain import checkpoint
 from hpctrain.config import Config
 from hpctrain.errors import UsageError
 from hpctrain.runtime.abort import set_context
 from hpctrain.data.sampler import GlobalBatchSampler, collate
 from hpctrain.models.registry import BuiltModel, build, build_layers
-from hpctrain.train.activation_checkpointing import checkpoint_blocks
+from hpctrain.parallel.orchestrator import parallelize
 from hpctrain.train.metrics import MetricsCSV, peak_rss_mb, write_summary
 from hpctrain.train.precision import Precision
 from hpctrain.train.preemption import Preemption, sigterm_grace_s
 from hpctrain.train.progress import Progress
-from hpctrain.train.strategy import make_optimizer_factory, strategy_options
+from hpctrain.train.strategy import make_optimizer_factory, plan_options
 
 __all__ = ["Trainer", "build_model", "NonFiniteError"]
 
@@ -31,25 +31,25 @@ class NonFiniteError(UsageError):
 def build_model(cfg: Config, world_size: int | None = None) -> BuiltModel:
     """Build model, data set and loss from the config (no communication; raises ValueError).
 
-    The pipeline strategy gets a LayerStack instead of a model (each rank builds only its
+    A plan with a pipeline gets a LayerStack instead of a model (each rank builds only its
     stage); with world_size given, a split that cannot fit is reported here, before MPI.
     """
     t = cfg.train
-    if t.strategy == "pipeline":
+    plan = cfg.plan(world_size or 1) if world_size is not None else None
+    if plan.pipeline if plan is not None else t.strategy == "pipeline":
         built = build_layers(t.model, t.seed, **t.model_options)
-        if world_size is not None:
-            from hpctrain.parallel.pipeline import check_fits, resolve_layout
+        if plan is not None:
+            from hpctrain.parallel.pipeline import check_fits
 
             pl = cfg.pipeline
             v = pl.virtual_stages if pl.schedule == "interleaved-1f1b" else 1
-            check_fits(len(built.model), resolve_layout(cfg.runtime.mesh, world_size).pp, v,
-                       pl.schedule)
+            check_fits(len(built.model), plan.pp, v, pl.schedule)
         return built
     return build(t.model, t.seed, **t.model_options)
 
 
 class Trainer:
-    """Train ``cfg.train.model`` with ``cfg.train.strategy``; ``fit()`` returns the summary dict.
+    """Train ``cfg.train.model`` under the config's ParallelPlan; ``fit()`` returns the summary.
 
     The global batch of each step is the same whatever the world size; each rank's
     micro-batch loss is weighted by its share of that batch, so summed gradients equal the
@@ -58,25 +58,25 @@ class Trainer:
 
     def __init__(self, cfg: Config, world=None, built: BuiltModel | None = None):
         self.cfg = cfg
-        self.built = built if built is not None else build_model(cfg)
         if world is None:
             from hpctrain.runtime.world import init_world
 
             world = init_world(cfg.runtime.ranks_per_node, cfg.runtime.device)
+        self.built = built if built is not None else build_model(cfg, world.size)
         self.world = world
         cfg.validate(world.size)
+        self.plan = cfg.plan(world.size)
         t = cfg.train
-        if t.activation_checkpointing and t.strategy != "pipeline":  # pipeline: per layer
-            checkpoint_blocks(self.built.model, is_main=world.is_main)
         self.precision = Precision(t.precision, world.device)
-        options = strategy_options(cfg)
-        if t.strategy == "pipeline" and cfg.pipeline.balance == "measured":
+        options = plan_options(cfg, self.plan.flavour)
+        if self.plan.pipeline and cfg.pipeline.balance == "measured":
             n = t.global_batch_size // (t.grad_accum * cfg.pipeline.microbatches)
             x, y = collate(self.built.dataset, range(max(1, n)))
-            options.sample, options.sample_target = x.to(world.device), y.to(world.device)
-            options.loss_fn = self.built.loss_fn
-        self.par = parallel.wrap(t.strategy, self.built.model, make_optimizer_factory(t), world,
-                                 options)
+            po = options["pipeline"]
+            po.sample, po.sample_target = x.to(world.device), y.to(world.device)
+            po.loss_fn = self.built.loss_fn
+        self.par = parallelize(self.plan, self.built.model, make_optimizer_factory(t), world,
+                               options, activation_checkpointing=t.activation_checkpointing)
         data_rank, data_ranks = self.par.data_shard(world)
         self.sampler = GlobalBatchSampler(len(self.built.dataset), t.global_batch_size, t.seed,
                                           data_rank, data_ranks, t.grad_accum)
@@ -168,8 +168,7 @@ class Trainer:
         t, world = self.cfg.train, self.world
         main = world.is_main
         if main:
-            print(world.describe(strategy=t.strategy, mesh=self.cfg.effective_mesh(world.size)),
-                  flush=True)
+            print(world.describe(strategy=self.plan.name, mesh=self.plan.mesh_text()), flush=True)
         if self.start_step >= t.steps:
             return self._nothing_to_train()
         units_per_step = t.global_batch_size * self.built.units_per_sample
@@ -246,7 +245,7 @@ class Trainer:
         t, world = self.cfg.train, self.world
         units = t.global_batch_size * self.built.units_per_sample * trained_steps
         return {
-            "strategy": t.strategy,
+            "strategy": self.plan.name,
             "world_size": world.size,
             "steps": self.start_step + trained_steps,
             "trained_steps": trained_steps,

@@ -66,3 +66,37 @@ def test_domain_checkpoint_resumes_elsewhere(tmp_path_factory):
         assert len(got["losses"]) == 20
         np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5, atol=0)
         np.testing.assert_allclose(got["param_norm"], ref["param_norm"], rtol=1e-5)
+
+
+# Composed plans: the dom=2 tiles of each of dp=2 replicas, the replicas kept in step by each
+# data-parallel flavour (gradients summed over dp and over the tiles).
+@pytest.mark.parametrize("flavour, extra", [
+    ("zero1", []), ("zero2", []), ("zero3", []), ("fsdp", []),
+    ("fsdp", ["--sharding-strategy", "SHARD_GRAD_OP"]),
+    ("fsdp", ["--sharding-strategy", "HYBRID_SHARD", "--ranks-per-node", "2"]),
+], ids=["zero1", "zero2", "zero3", "fsdp", "fsdp-SHARD_GRAD_OP", "fsdp-HYBRID_SHARD"])
+def test_domain_composes_with_every_dp_flavour(tmp_path_factory, flavour, extra):
+    ref = _reference(tmp_path_factory)
+    got = _run(_ref["tmp"], f"dom-{flavour}-{len(extra)}", 4,
+               ["--mesh", "dom=2,dp=2", "--dp-flavour", flavour, *extra])
+    assert got["strategy"] == f"domain+{flavour}" and got["world_size"] == 4
+    assert len(got["losses"]) == 20
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5, atol=0)
+    np.testing.assert_allclose(got["param_norm"], ref["param_norm"], rtol=1e-5)
+
+
+def test_composed_checkpoint_resumes_under_other_plans(tmp_path_factory):
+    """Written by domain+zero3 at 4 ranks, read by single, by zero2 at 2 ranks and by
+    domain+fsdp: each continues the single-process trajectory."""
+    ref = _reference(tmp_path_factory)
+    tmp = _ref["tmp"]
+    ck = tmp / "ck-composed"
+    _run(tmp, "save-composed", 4, ["--mesh", "dom=2,dp=2", "--dp-flavour", "zero3",
+                                   "--checkpoint-dir", str(ck)], steps=10)
+    ckpt = str(ck / "ckpt-000010.h5")
+    for name, world, extra in [("c-single", None, []), ("c-zero2", 2, ["--strategy", "zero2"]),
+                               ("c-fsdp", 4, ["--mesh", "dom=2,dp=2", "--dp-flavour", "fsdp"])]:
+        got = _run(tmp, name, world, extra + ["--resume", ckpt, "--checkpoint-dir", str(tmp / name)])
+        assert len(got["losses"]) == 20
+        np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5, atol=0)
+        np.testing.assert_allclose(got["param_norm"], ref["param_norm"], rtol=1e-5)

@@ -27,7 +27,7 @@ __all__ = ["PipelineOptions", "Pipelined", "wrap", "resolve_layout"]
 class PipelineOptions:
     """Typed options of the pipeline strategy (from the [pipeline] config table)."""
 
-    mesh: str = ""                  # '' -> pp = world size
+    mesh: object = ""               # a MeshLayout (the plan's); '' -> pp = world size
     schedule: str = "1f1b"
     microbatches: int = 4
     virtual_stages: int = 2         # chunks per rank, interleaved-1f1b only
@@ -45,11 +45,14 @@ class PipelineOptions:
         return self.virtual_stages if self.schedule == "interleaved-1f1b" else 1
 
 
-def resolve_layout(mesh: str, world_size: int):
-    """The mesh layout of a pipeline run: '' means every rank is a stage (pp = world size)."""
+def resolve_layout(mesh, world_size: int):
+    """The mesh layout of a pipeline run: a MeshLayout (the orchestrator passes the plan's),
+    or for the Python API a string; '' means every rank is a stage (pp = world size)."""
     from hpctrain.runtime.mesh import MeshLayout
 
-    layout = MeshLayout.parse(mesh or f"pp={world_size},dp=1").resolve(world_size)
+    if not isinstance(mesh, MeshLayout):
+        mesh = MeshLayout.parse(mesh or f"pp={world_size},dp=1")
+    layout = mesh.resolve(world_size)
     if layout.tp != 1 or layout.dom_size != 1:
         raise ValueError(f"mesh {layout.describe()}: the pipeline strategy uses only pp and dp; "
                          "set tp=1 and dom=1")

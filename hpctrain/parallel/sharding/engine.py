@@ -10,7 +10,9 @@ Shared by zero (stages 1-3) and fsdp; a strategy picks the knobs (``ShardPlan``)
   ``GatherSchedule`` needs them; the others keep their full buffer and are refreshed from
   the shards after each step.
 - ``shard_comm`` shards the units; ``replicate_comm`` (HYBRID_SHARD, NO_SHARD) all-reduces
-  the reduce-scattered gradient shards over the replicas of each shard.
+  the reduce-scattered gradient shards over the replicas of each shard; ``partial_comms``
+  (given by a model-parallel transform, e.g. the domain tiles) hold partial gradients of the
+  same parameters, so the shards' gradients are summed over them too.
 
 Gradients are SUMMED (the loop weights each micro-batch by its share of the global batch).
 Collectives run in the same order on every rank as long as every rank's autograd graph has
@@ -70,13 +72,14 @@ class ShardedModel(Parallelized):
     """A model whose trainable parameters, gradients and optimizer state are sharded."""
 
     def __init__(self, model, make_optimizer, world, units, frozen, plan: ShardPlan,
-                 shard_comm=None, replicate_comm=None, schedule=None):
+                 shard_comm=None, replicate_comm=None, schedule=None, partial_comms=()):
         self.name = plan.name
         self.plan = plan
         self.world = world
         self.comm = shard_comm if shard_comm is not None else world.comm
         self.replicate = replicate_comm if replicate_comm is not None and replicate_comm.size > 1 \
             else None
+        self.partial = [c for c in partial_comms if c.size > 1]
         self.units = units
         self.frozen = frozen
         self.schedule = schedule
@@ -135,6 +138,8 @@ class ShardedModel(Parallelized):
         self._peak_transient = max(self._peak_transient, transient)
         if self.replicate is not None:
             self.replicate.allreduce(part, op="sum")
+        for c in self.partial:  # e.g. each domain tile's share of the gradient
+            c.allreduce(part, op="sum")
         if part.dtype != u.shard.dtype or part.device != u.shard.device:
             part = part.to(u.shard.device, u.shard.dtype)  # fp32 master / host shard
         u.add_shard_grad(part)
@@ -148,6 +153,8 @@ class ShardedModel(Parallelized):
             u = st.unit
             if self.plan.persistent_grads:
                 u.reduce_grad_buffer(st.grad_buf, self.comm)
+                for c in ([self.replicate] if self.replicate is not None else []) + self.partial:
+                    c.allreduce(u.shard.grad, op="sum")  # a view of grad_buf: in place
                 continue
             if not st.reduced:
                 self._reduce(st)
@@ -242,7 +249,8 @@ class ShardedModel(Parallelized):
 
     def _writes(self) -> bool:
         """Whether this rank writes its shards: one replica of each shard group does."""
-        return self.replicate is None or self.replicate.rank == 0
+        return (self.replicate is None or self.replicate.rank == 0) and \
+            all(c.rank == 0 for c in self.partial)
 
     def _shard_entry(self, name: str, shape: tuple, flat: torch.Tensor, elems: tuple):
         """An Entry for this rank's elements of a sharded tensor (see state_entries)."""
@@ -360,6 +368,7 @@ class ShardedModel(Parallelized):
         return {"stage": self.plan.stage, "strategy": self.name, "world_size": self.world.size,
                 "shard_group": self.comm.size,
                 "replicas": self.replicate.size if self.replicate is not None else 1,
+                "partial_groups": [c.size for c in self.partial],
                 "trainable_numel": sum(u.numel for u in self.units),
                 "padded_numel": sum(u.padded for u in self.units),
                 "params": params, "grads": self._grad_bytes, "optimizer": optim,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from hpctrain.train.activation_checkpointing import checkpoint_blocks
+from hpctrain.parallel.activation_checkpointing import checkpoint_blocks
 from tests.fixtures import resnetish
 
 

@@ -1,0 +1,172 @@
+"""The parallel plan: mesh degrees + the data-parallel flavour, built and validated once.
+
+Pure (no torch, no MPI): every rank builds the same plan from the same config and world
+size, so a plan that cannot run fails on every rank alike, before any collective. The
+orchestrator (``orchestrator.py``) is the only reader that turns it into transforms.
+
+``--strategy NAME`` is a shorthand for a one-dimensional plan (``zero3`` = every rank a dp
+replica with flavour zero3, ``pipeline`` = every rank a stage, ``domain`` = every rank a
+tile); ``--mesh`` and ``--dp-flavour`` spell a composed one (``--mesh dom=2,dp=2
+--dp-flavour fsdp``). A flavour strategy given with a mesh composes too: ``--strategy zero3
+--mesh dom=2,dp=2`` is the same plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hpctrain.runtime.mesh import MeshLayout
+
+__all__ = ["FLAVOURS", "FLAVOUR_TABLES", "ParallelPlan", "build_plan"]
+
+#: The data-parallel flavours over the dp dimension.
+FLAVOURS = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+#: The config table each flavour reads.
+FLAVOUR_TABLES = {"ddp": "ddp", "zero1": "zero", "zero2": "zero", "zero3": "zero",
+                  "fsdp": "fsdp"}
+# Which flavours the pipeline can carry over the replicas of its stages today.
+_PIPELINE_FLAVOURS = ("ddp", "zero1", "zero2")
+
+
+class PlanError(ValueError):
+    """The plan cannot run; the message says which degree or flavour and what to do."""
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """Degrees of the mesh (pp stages, dp replicas, tp, dom tile grid) and the flavour that
+    keeps the dp replicas in step. ``name`` is what summaries and checkpoints call it: the
+    shorthand strategy for one-dimensional plans, ``domain+zero3``-style when composed."""
+
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+    dom: tuple = (1,)
+    flavour: str = "ddp"
+    name: str = "single"
+    # The transform runs even at degree 1 (``--strategy pipeline`` on one rank is one stage).
+    pipeline: bool = False
+    domain: bool = False
+
+    @property
+    def dom_size(self) -> int:
+        n = 1
+        for d in self.dom:
+            n *= d
+        return n
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp * self.dom_size
+
+    @property
+    def layout(self) -> MeshLayout:
+        """The mesh layout (rank order: see runtime/mesh.py)."""
+        return MeshLayout(pp=self.pp, dp=self.dp, dom=tuple(self.dom), tp=self.tp)
+
+    @property
+    def batch_ranks(self) -> int:
+        """Ranks that split each micro-batch's samples: the dp replicas (pp stages and dom
+        tiles of one replica see the same samples)."""
+        return self.dp
+
+    @property
+    def composed(self) -> bool:
+        """More than one kind of parallelism: a model-parallel dim and dp replicas."""
+        return self.dp > 1 and (self.pp > 1 or self.dom_size > 1 or self.tp > 1)
+
+    def transforms(self) -> list[str]:
+        """The transforms the orchestrator applies, in its fixed order."""
+        out = []
+        if self.tp > 1:
+            out.append("tensor")
+        if self.domain:
+            out.append("domain")
+        if self.pipeline:
+            out.append("pipeline")
+        if self.name != "single":
+            out.append(self.flavour)
+        return out
+
+    def mesh_text(self) -> str:
+        """The degrees above 1 in mesh order, e.g. 'pp=2,dp=2' or 'dp=2,dom=2x2' ('dp=1':
+        one rank); ``--mesh`` reads it back."""
+        parts = [f"{k}={v}" for k, v in (("pp", self.pp), ("dp", self.dp)) if v > 1]
+        if self.dom_size > 1:
+            parts.append("dom=" + "x".join(map(str, self.dom)))
+        if self.tp > 1:
+            parts.append(f"tp={self.tp}")
+        return ",".join(parts) or "dp=1"
+
+    def describe(self) -> str:
+        dims = [f"{k}={v}" for k, v in (("pp", self.pp), ("dp", self.dp), ("tp", self.tp))
+                if v > 1]
+        if self.dom_size > 1:
+            dims.append("dom=" + "x".join(map(str, self.dom)))
+        return f"{self.name} ({' x '.join(dims) or 'one rank'}; dp flavour {self.flavour})"
+
+
+def _flavour_of(strategy: str, dp_flavour: str, pipeline_dp_sharding: str) -> str:
+    if strategy in FLAVOURS:
+        if dp_flavour and dp_flavour != strategy:
+            raise PlanError(f"--strategy {strategy} and --dp-flavour {dp_flavour} name different "
+                            f"data-parallel flavours; give one of them")
+        return strategy
+    if strategy == "pipeline" and pipeline_dp_sharding != "ddp":
+        if dp_flavour and dp_flavour != pipeline_dp_sharding:
+            raise PlanError(f"pipeline.dp_sharding = {pipeline_dp_sharding!r} and --dp-flavour "
+                            f"{dp_flavour} disagree; give one of them (--dp-flavour is the newer "
+                            f"spelling)")
+        return pipeline_dp_sharding
+    return dp_flavour or "ddp"
+
+
+def build_plan(strategy: str, mesh: str, world_size: int, dp_flavour: str = "",
+               pipeline_dp_sharding: str = "ddp") -> ParallelPlan:
+    """The plan of a run: the strategy shorthand, the mesh and the flavour (PlanError when
+    it cannot run at this world size)."""
+    if dp_flavour and dp_flavour not in FLAVOURS:
+        raise PlanError(f"--dp-flavour {dp_flavour!r}: expected one of {', '.join(FLAVOURS)}")
+    composing = bool(mesh) or bool(dp_flavour)
+    if strategy == "single" and not composing:
+        if world_size > 1:
+            raise PlanError(
+                f"train.strategy = 'single' but the launcher started {world_size} ranks; each "
+                f"rank would train alone. Use --strategy ddp (or another parallel strategy), "
+                f"--mesh/--dp-flavour, or launch one process")
+        return ParallelPlan(name="single")
+    flavour = _flavour_of(strategy, dp_flavour, pipeline_dp_sharding)
+    default = {"pipeline": f"pp={world_size},dp=1", "domain": f"dom={world_size},dp=1"}
+    text = mesh or default.get(strategy, "")
+    try:
+        layout = MeshLayout.parse(text).resolve(world_size)
+    except ValueError as exc:
+        raise PlanError(f"runtime.mesh = {mesh!r}: {exc}") from None
+    pp, dp, tp, dom = layout.pp, layout.dp, layout.tp, tuple(layout.dom)
+    dom_size = layout.dom_size
+    if strategy == "pipeline" and (tp > 1 or dom_size > 1):
+        raise PlanError(f"runtime.mesh = {mesh!r}: strategy 'pipeline' uses only pp and dp; "
+                        f"drop tp/dom")
+    if strategy == "domain" and (pp > 1 or tp > 1):
+        raise PlanError(f"runtime.mesh = {mesh!r} uses pp/tp but strategy 'domain' uses dp and "
+                        f"dom only; e.g. --mesh dom=2x2 or --mesh dp=2,dom=2")
+    if tp > 1:
+        raise PlanError(f"runtime.mesh = {mesh!r}: tensor parallel (tp={tp}) is not available "
+                        f"yet; use tp=1")
+    if pp > 1 and dom_size > 1:
+        raise PlanError(f"runtime.mesh = {mesh!r}: pipeline stages (pp={pp}) over a domain "
+                        f"split (dom={'x'.join(map(str, dom))}) cannot be combined yet; use "
+                        f"one of them with dp")
+    if (pp > 1 or strategy == "pipeline") and flavour not in _PIPELINE_FLAVOURS:
+        raise PlanError(f"dp flavour {flavour!r} under pipeline stages (pp={pp}) is not "
+                        f"available yet: the stages' replicas can use "
+                        f"{', '.join(_PIPELINE_FLAVOURS)}; e.g. --dp-flavour zero2")
+    pipeline, domain = pp > 1 or strategy == "pipeline", dom_size > 1 or strategy == "domain"
+    if pipeline:  # the pipeline strategy keeps its name with any of its dp flavours
+        name = "pipeline" if strategy == "pipeline" else f"pipeline+{flavour}"
+    elif domain:
+        name = "domain" if strategy == "domain" and flavour == "ddp" else f"domain+{flavour}"
+    else:
+        name = flavour
+    return ParallelPlan(pp=pp, dp=dp, tp=tp, dom=dom, flavour=flavour, name=name,
+                        pipeline=pipeline, domain=domain)
