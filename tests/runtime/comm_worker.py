@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from hpctrain.runtime.comm import NullCommunicator, TorchDistCommunicator, world
+from hpctrain.runtime.comm import NullCommunicator, TorchDistCommunicator, wait_all, world
 from hpctrain.runtime.comm.mpi import _as_buffer
 
 __all__ = ["check_all", "main"]
@@ -270,6 +270,127 @@ def check_exchange(comm, left, right):
         [], [(right, 0, (((3, 1),),))]), "reversed box")
 
 
+NB_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.bool)
+
+
+def uneven(rank, n, dt, rows=None, cols=3):
+    """A rank-dependent tensor of small exact values, different on every row and rank."""
+    rows = rows or 2 * n
+    x = (torch.arange(rows * cols).reshape(rows, cols) * (rank + 1) + 3 * rank) % 23
+    return (x % 3 == 0 if dt == torch.bool else x).to(dt)
+
+
+def finish(req, how):
+    """Complete ``req`` one of three ways and return its out."""
+    if how == "wait":
+        return req.wait()
+    if how == "idle":
+        return wait_all([req], idle=True)[0]
+    deadline = MPI.Wtime() + 30
+    while not req.test():  # test() alone must get there (it drives MPI's progress)
+        if MPI.Wtime() > deadline:
+            raise AssertionError("test() never became True")
+    if not req.test():
+        raise AssertionError("test() went back to False")
+    return req.out
+
+
+def check_nonblocking(comm):
+    """iallreduce / iallgather / ireduce_scatter equal the blocking calls, for every dtype the
+    backends convert (bf16 staged in float32, bool as bytes), out= given or not, completed
+    by wait(), test() polling or wait_all, several in flight finished out of order."""
+    r, n = comm.rank, comm.size
+    hows = ("wait", "test", "idle")
+    k = 0
+    for dt in NB_DTYPES:
+        ops = ("max", "min") if dt == torch.bool else (
+            ("sum", "max", "avg") if dt.is_floating_point else ("sum", "min"))
+        for op in ops:
+            x = uneven(r, n, dt)
+            want = comm.allreduce(x.clone(), op=op)
+            req = comm.iallreduce(x, op=op)
+            got = finish(req, hows[k % 3])
+            k += 1
+            if got is not x or req.out is not x:
+                raise AssertionError("iallreduce is not in place")
+            expect(x, want, f"iallreduce {op} {dt}")
+            if dt == torch.bool:
+                continue  # reduce_scatter takes the same ops; one bool case below
+            x = uneven(r, n, dt)
+            want = comm.reduce_scatter(x, op=op)
+            out = torch.full((2,) + x.shape[1:], 7, dtype=dt) if k % 2 else None
+            req = comm.ireduce_scatter(x, out=out, op=op)
+            got = finish(req, hows[k % 3])
+            if out is not None and got is not out:
+                raise AssertionError("ireduce_scatter did not return out")
+            expect(got, want, f"ireduce_scatter {op} {dt} out={out is not None}")
+        for with_out in (False, True):
+            x = uneven(r, n, dt, rows=3)
+            out = torch.zeros((3 * n, 3), dtype=dt) if with_out else None
+            req = comm.iallgather(x, out=out)
+            got = finish(req, hows[k % 3])
+            k += 1
+            if with_out and (got is not out or req.out is not out):
+                raise AssertionError("iallgather did not return out")
+            expect(got, comm.allgather(x), f"iallgather {dt} out={with_out}")
+    flags = uneven(r, n, torch.bool)
+    expect(comm.ireduce_scatter(flags, op="max").wait(), comm.reduce_scatter(flags, op="max"),
+           "ireduce_scatter bool or")
+
+    # Several in flight, interleaved with a blocking collective and with compute, completed
+    # in another order than started (every rank starts them in the same order).
+    a = uneven(r, n, torch.float32)
+    b = uneven(r, n, torch.bfloat16, rows=5)
+    c = uneven(r, n, torch.float64, rows=4 * n)
+    d = uneven(r, n, torch.int64)
+    want_a = comm.allreduce(a.clone(), op="avg")
+    want_b, want_c = comm.allgather(b), comm.reduce_scatter(c, op="sum")
+    want_d = comm.allreduce(d.clone(), op="max")
+    big = torch.arange(n * 70_000, dtype=torch.float32).remainder(9) + r  # 280 KiB per rank
+    want_big = comm.reduce_scatter(big)
+    reqs = [comm.iallreduce(a, op="avg"), comm.iallgather(b), comm.ireduce_scatter(c)]
+    blocking = comm.allreduce(torch.full((2,), r + 1.0))
+    reqs += [comm.iallreduce(d, op="max"), comm.ireduce_scatter(big)]
+    m = torch.ones(64, 64)
+    for _ in range(5):  # compute between start and wait
+        m = (m @ m) / 64
+    expect(blocking, torch.full((2,), n * (n + 1) / 2), "blocking allreduce among requests")
+    expect(m, torch.ones(64, 64), "compute during requests")
+    expect(reqs[2].wait(), want_c, "in flight: ireduce_scatter fp64 (waited first)")
+    expect(finish(reqs[4], "test"), want_big, "in flight: large ireduce_scatter")
+    outs = wait_all([reqs[3], reqs[0], reqs[1]])
+    expect(outs[0], want_d, "in flight: iallreduce int64 max")
+    expect(outs[1], want_a, "in flight: iallreduce fp32 avg")
+    expect(outs[2], want_b, "in flight: iallgather bf16")
+    for q in reqs:  # complete: test() stays True, wait() returns the same out again
+        if not q.test() or q.wait() is not q.out:
+            raise AssertionError("a completed request changed its mind")
+
+    # Bad input: the blocking calls' checks, raised before anything is started.
+    expect_raises(ValueError, "bool tensors", lambda: comm.iallreduce(flags, op="sum"),
+                  "iallreduce bool sum")
+    expect_raises(ValueError, "op='avg' needs a floating-point tensor",
+                  lambda: comm.iallreduce(d, op="avg"), "iallreduce int avg")
+    expect_raises(ValueError, "unknown reduction op",
+                  lambda: comm.ireduce_scatter(c, op="mean"), "ireduce_scatter bad op")
+    expect_raises(ValueError, "0-d tensor", lambda: comm.iallgather(torch.tensor(1.0)),
+                  "iallgather 0-d")
+    expect_raises(ValueError, "iallgather: out has shape",
+                  lambda: comm.iallgather(a, out=torch.empty(1, 3)), "iallgather bad out")
+    expect_raises(TypeError, "out has dtype torch.float64",
+                  lambda: comm.ireduce_scatter(a, out=torch.empty(2, 3, dtype=torch.float64)),
+                  "ireduce_scatter out dtype")
+    expect_raises(ValueError, "not contiguous", lambda: comm.iallreduce(torch.ones(3, 4).t()),
+                  "iallreduce non-contiguous")
+    if n > 1:
+        expect_raises(ValueError, f"ireduce_scatter needs tensor.shape[0] divisible by the "
+                      f"communicator size {n}", lambda: comm.ireduce_scatter(
+                          torch.ones(n + 1, 2)), "ireduce_scatter indivisible")
+    else:
+        expect_raises(ValueError, "overlaps", lambda: comm.ireduce_scatter(a, out=a),
+                      "ireduce_scatter out overlaps")
+
+
 def check_all(comm, backend):
     """Run every data check on ``comm``."""
     check_reductions(comm)
@@ -294,6 +415,7 @@ def check_splits(comm, backend):
     got = reverse.allgather(torch.tensor([r]))
     expect(got, torch.arange(n - 1, -1, -1), "reversed split allgather order")
     check_all(reverse, backend)
+    check_nonblocking(reverse)  # a subgroup (not the default group) whose ranks are reordered
     reverse.free()
 
     again = comm.split(r % 2, key=r)  # the same groups again must work (they are reused)
@@ -318,6 +440,9 @@ def check_null(null, backend):
     expect_raises(RuntimeError, "not a member", lambda: null.allreduce(torch.ones(1)), "null")
     expect_raises(RuntimeError, "not a member", lambda: null.send(torch.ones(1), 0), "null send")
     expect_raises(RuntimeError, "not a member", null.barrier, "null barrier")
+    for name in ("iallreduce", "iallgather", "ireduce_scatter"):
+        expect_raises(RuntimeError, f"{name}() on a NullCommunicator",
+                      lambda: getattr(null, name)(torch.ones(2)), f"null {name}")
     null.free()
     null.free()
 
@@ -345,10 +470,12 @@ def main(backend):
     expect((comm.backend, comm.rank, comm.size),
            (backend, MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size), "attributes")
     check_all(comm, backend)
+    check_nonblocking(comm)
     check_splits(comm, backend)
     if backend != "mpi":  # the list-based fallbacks for backends without tensor collectives
         comm._native_collectives = False
         check_gather_scatter(comm)
+        check_nonblocking(comm)
     comm.barrier()
     comm.free()
     if comm.rank == 0:

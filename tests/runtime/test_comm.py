@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from hpctrain.runtime.comm import Communicator, NullCommunicator, TorchDistCommunicator
+from hpctrain.runtime.comm import (CollectiveRequest, Communicator, CompletedRequest,
+                                   NullCommunicator, Request, TorchDistCommunicator, wait_all)
 from tests.mpirun import run_mpi
 
 WORKER = "tests/runtime/comm_worker.py"
@@ -49,6 +50,77 @@ def test_size_one_fast_paths(comm):
     assert comm.broadcast(t) is t
     assert comm.allreduce_scalars([1, 2.5], op="max") == [1.0, 2.5]
     comm.barrier()
+
+
+def test_size_one_nonblocking_fast_paths(comm):
+    t = torch.arange(6.0).reshape(3, 2)
+    req = comm.iallreduce(t, op="avg")
+    assert isinstance(req, CompletedRequest) and req.test()
+    assert req.out is t and req.wait() is t and torch.equal(t, torch.arange(6.0).reshape(3, 2))
+    req = comm.iallgather(t)
+    assert isinstance(req, CompletedRequest)
+    assert torch.equal(req.wait(), t) and req.out.data_ptr() != t.data_ptr()
+    out = torch.empty(3, 2)
+    assert comm.ireduce_scatter(t, out=out).wait() is out and torch.equal(out, t)
+    flags = torch.tensor([True, False])
+    assert torch.equal(comm.iallgather(flags).wait(), flags)
+    assert wait_all([comm.iallreduce(t), comm.iallgather(t)], idle=True)[0] is t
+
+
+def test_nonblocking_checks_match_blocking(comm):
+    with pytest.raises(ValueError, match=r"ireduce_scatter needs tensor.shape\[0\] divisible by "
+                                         r"the communicator size 3.*shape \(4, 2\)"):
+        wider(comm, 3).ireduce_scatter(torch.ones(4, 2))
+    with pytest.raises(ValueError, match=r"iallgather: out has shape \(2, 3\).*needs \(6, 3\)"):
+        comm.iallgather(torch.ones(2, 3), out=torch.empty(2, 3))
+    comm.size = 1
+    with pytest.raises(ValueError, match="0-d tensor"):
+        comm.iallgather(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="op='avg' needs a floating-point tensor"):
+        comm.iallreduce(torch.ones(2, dtype=torch.int64), op="avg")
+    with pytest.raises(ValueError, match="bool tensors"):
+        comm.ireduce_scatter(torch.ones(2, dtype=torch.bool), op="prod")
+    with pytest.raises(ValueError, match="not contiguous"):
+        comm.iallreduce(torch.ones(3, 4).t())
+    with pytest.raises(TypeError, match="complex64"):
+        comm.iallgather(torch.ones(2, dtype=torch.complex64))
+    with pytest.raises(ValueError, match="overlaps"):
+        t = torch.ones(4)
+        comm.ireduce_scatter(t, out=t)
+
+
+class _Pending(Request):
+    """A request that completes after ``polls`` calls of test()."""
+
+    def __init__(self, polls):
+        self.polls, self.waited = polls, False
+
+    def wait(self):
+        self.waited = True
+
+    def test(self):
+        self.polls -= 1
+        return self.polls <= 0
+
+
+def test_collective_request_finishes_once():
+    calls, out = [], torch.zeros(2)
+    req = CollectiveRequest(_Pending(3), out, finish=lambda: calls.append(1), keep=[out])
+    assert not req.test() and not req.test() and calls == []
+    assert req.test() and calls == [1]  # complete: finished without blocking
+    assert req.test() and req.wait() is out and calls == [1]
+    req = CollectiveRequest(_Pending(99), out, finish=lambda: calls.append(2))
+    assert req.wait() is out and calls == [1, 2] and req.test()
+
+
+def test_default_hooks_block_then_complete(comm):
+    """A backend without non-blocking collectives still works: the base hooks run the
+    blocking ones and return a completed request."""
+    t = torch.ones(4)
+    for req in (Communicator._iallreduce(comm, t, "sum"),
+                Communicator._iallgather(comm, t, torch.empty(4)),
+                Communicator._ireduce_scatter(comm, t, torch.empty(4), "sum")):
+        assert isinstance(req, CompletedRequest) and req.test()
 
 
 def test_mpi_buffer_is_zero_copy():
@@ -138,7 +210,9 @@ def test_split_and_null(comm):
     assert isinstance(null, NullCommunicator)
     assert (null.is_active, null.rank, null.size) == (False, -1, 0)
     for call in (lambda: null.allreduce(torch.ones(1)), null.barrier,
-                 lambda: null.recv(torch.ones(1), 0), lambda: null.split(0)):
+                 lambda: null.recv(torch.ones(1), 0), lambda: null.split(0),
+                 lambda: null.iallreduce(torch.ones(1)), lambda: null.iallgather(torch.ones(1)),
+                 lambda: null.ireduce_scatter(torch.ones(1))):
         with pytest.raises(RuntimeError, match="not a member of this communicator"):
             call()
     null.free()

@@ -4,10 +4,12 @@ Parallel strategies speak only :class:`Communicator`. The backends are imported 
 use, so importing the interface does not initialise MPI or torch.distributed.
 """
 
-from .base import OPS, SUPPORTED_DTYPES, Communicator, CompletedRequest, NullCommunicator, Request
+from .base import (OPS, SUPPORTED_DTYPES, CollectiveRequest, Communicator, CompletedRequest,
+                   NullCommunicator, Request, wait_all)
 
-__all__ = ["OPS", "SUPPORTED_DTYPES", "Communicator", "CompletedRequest", "MPICommunicator",
-           "NullCommunicator", "Request", "TorchDistCommunicator", "world"]
+__all__ = ["OPS", "SUPPORTED_DTYPES", "CollectiveRequest", "Communicator", "CompletedRequest",
+           "MPICommunicator", "NullCommunicator", "Request", "TorchDistCommunicator", "wait_all",
+           "world"]
 
 _LAZY = {"MPICommunicator": "mpi", "world": "mpi", "TorchDistCommunicator": "torchdist"}
 

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["OPS", "SUPPORTED_DTYPES", "AllRequests", "Communicator", "CompletedRequest",
-           "NullCommunicator", "Request", "box_index"]
+__all__ = ["OPS", "SUPPORTED_DTYPES", "AllRequests", "CollectiveRequest", "Communicator",
+           "CompletedRequest", "NullCommunicator", "Request", "box_index", "wait_all"]
 
 #: Reduction op names accepted by ``allreduce``, ``reduce_scatter`` and ``allreduce_scalars``.
 OPS = ("sum", "avg", "max", "min", "prod")
@@ -40,14 +40,55 @@ class Request(ABC):
 
 
 class CompletedRequest(Request):
-    """A request that was finished when it was made (local copies, size-1 fast paths)."""
+    """A request that was finished when it was made (local copies, size-1 fast paths).
 
-    def wait(self) -> None:
-        """Return at once: there is nothing to wait for."""
+    ``out`` is the result tensor of a non-blocking collective (None otherwise); ``wait()``
+    returns it, as :class:`CollectiveRequest` does."""
+
+    def __init__(self, out: torch.Tensor | None = None):
+        self.out = out
+
+    def wait(self) -> torch.Tensor | None:
+        """Return ``out`` at once: there is nothing to wait for."""
+        return self.out
 
     def test(self) -> bool:
         """Return True: the operation is already complete."""
         return True
+
+
+class CollectiveRequest(Request):
+    """A started non-blocking collective (``iallreduce``, ``iallgather``, ``ireduce_scatter``).
+
+    ``out`` is the tensor the result lands in (the input itself for ``iallreduce``); it is
+    valid only once the request is complete: after ``wait()`` (which returns ``out``) or a
+    ``test()`` that returned True. ``finish`` runs once on completion, before ``out`` is
+    valid: the backend's copy back from a staging buffer, the division of an average.
+    ``keep`` holds what the backend reads or writes (numpy views, staging buffers) until then.
+    """
+
+    def __init__(self, request: Request, out: torch.Tensor | None = None, finish=None,
+                 keep=None):
+        self.out = out
+        self._request, self._finish, self._keep = request, finish, keep
+        self._done = False
+
+    def wait(self) -> torch.Tensor | None:
+        """Block until the collective completes (the backend's blocking wait, as the blocking
+        collectives do; ``idle.wait_idle(req)`` or ``wait_all(reqs, idle=True)`` sleep
+        between polls instead), then return ``out``."""
+        if not self._done:
+            self._request.wait()
+            if self._finish is not None:
+                self._finish()
+            self._done, self._request, self._finish, self._keep = True, None, None, None
+        return self.out
+
+    def test(self) -> bool:
+        """Return True (with ``out`` valid) if the collective has completed, without blocking."""
+        if not self._done and self._request.test():
+            self.wait()  # complete: finishes it without blocking
+        return self._done
 
 
 class AllRequests(Request):
@@ -68,8 +109,39 @@ class AllRequests(Request):
         return not self._requests
 
 
+def wait_all(requests, idle: bool = False) -> list:
+    """Wait for every request, in the order given, and return what each ``wait()`` returned
+    (the ``out`` of a collective request, None for point-to-point ones). ``idle``: sleep
+    between polls (``idle.wait_idle``) instead of the backend's blocking wait, so a waiting
+    rank leaves its core to a computing one."""
+    if idle:
+        from hpctrain.runtime.comm.idle import wait_idle
+        for r in requests:
+            wait_idle(r)
+    return [r.wait() for r in requests]
+
+
 class Communicator(ABC):
-    """A group of ranks that can communicate tensors; see the module docstring."""
+    """A group of ranks that can communicate tensors; see the module docstring.
+
+    Collectives (``allreduce`` ... ``barrier`` and their non-blocking ``i`` forms) must be
+    called by every rank of the communicator, in the same order.
+
+    Non-blocking collectives: ``iallreduce``, ``iallgather`` and ``ireduce_scatter`` check
+    their arguments as the blocking calls do, start the collective and return a
+    :class:`CollectiveRequest` ``req`` (a :class:`CompletedRequest` on a size-1 communicator,
+    after a local copy); either way the result is ``req.out`` (the input tensor itself for
+    ``iallreduce``), valid only after ``req.wait()`` (which returns it) or once ``req.test()``
+    returned True. Rules, as for MPI's non-blocking collectives:
+
+    * every rank starts them in the same order (also relative to blocking collectives on
+      this communicator); they may be completed in any order;
+    * neither the input nor ``out`` may be read or written until the request completes,
+      and every request must be completed (wait, or test until True);
+    * on a CPU the MPI library moves data only inside MPI calls (Open MPI has no progress
+      thread by default), so a long computation between start and wait overlaps little
+      unless it calls ``req.test()`` now and then.
+    """
 
     backend: str
     rank: int
@@ -93,10 +165,7 @@ class Communicator(ABC):
 
     def allgather(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Concatenate every rank's ``tensor`` along dim 0; collective over all ranks."""
-        self._check_tensor(tensor, "tensor")
-        _check_has_dim0(tensor, "allgather")
-        shape = (tensor.shape[0] * self.size, *tensor.shape[1:])
-        out = self._out(out, tensor, shape, "allgather")
+        out = self._gather_out(tensor, out, "allgather")
         if self.size == 1:
             return out.copy_(tensor)
         self._allgather(_wire(tensor), _wire(out))
@@ -105,11 +174,7 @@ class Communicator(ABC):
     def reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor | None = None,
                        op: str = "sum") -> torch.Tensor:
         """Reduce ``tensor`` and return this rank's dim-0 chunk of it; collective over all ranks."""
-        self._check_tensor(tensor, "tensor")
-        self._check_op(op, tensor.dtype)
-        self._check_divisible(tensor, "reduce_scatter")
-        shape = (tensor.shape[0] // self.size, *tensor.shape[1:])
-        out = self._out(out, tensor, shape, "reduce_scatter")
+        out = self._scatter_out(tensor, out, op, "reduce_scatter")
         if self.size == 1:
             return out.copy_(tensor)
         self._reduce_scatter(_wire(tensor), _wire(out), op)
@@ -132,6 +197,36 @@ class Communicator(ABC):
             return out.copy_(tensor)
         self._alltoall(_wire(tensor), _wire(out))
         return out
+
+    # ---- non-blocking collectives (see the class docstring) ----------------------------
+
+    def iallreduce(self, tensor: torch.Tensor, op: str = "sum") -> Request:
+        """Start reducing ``tensor`` in place; ``req.out`` is ``tensor``, reduced once the
+        request completes. Non-blocking, collective over all ranks; checks as ``allreduce``."""
+        self._check_tensor(tensor, "tensor")
+        self._check_op(op, tensor.dtype)
+        if self.size == 1:
+            return CompletedRequest(tensor)
+        return CollectiveRequest(self._iallreduce(_wire(tensor), op), tensor)
+
+    def iallgather(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> Request:
+        """Start concatenating every rank's ``tensor`` along dim 0 into ``req.out`` (``out``,
+        or a new tensor when None). Non-blocking, collective over all ranks; checks as
+        ``allgather``."""
+        out = self._gather_out(tensor, out, "iallgather")
+        if self.size == 1:
+            return CompletedRequest(out.copy_(tensor))
+        return CollectiveRequest(self._iallgather(_wire(tensor), _wire(out)), out)
+
+    def ireduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor | None = None,
+                        op: str = "sum") -> Request:
+        """Start reducing ``tensor`` into this rank's dim-0 chunk, ``req.out`` (``out``, or a
+        new tensor when None). Non-blocking, collective over all ranks; checks as
+        ``reduce_scatter`` (dim 0 divisible by the size)."""
+        out = self._scatter_out(tensor, out, op, "ireduce_scatter")
+        if self.size == 1:
+            return CompletedRequest(out.copy_(tensor))
+        return CollectiveRequest(self._ireduce_scatter(_wire(tensor), _wire(out), op), out)
 
     def barrier(self) -> None:
         """Block until every rank has entered the barrier; collective over all ranks."""
@@ -245,6 +340,25 @@ class Communicator(ABC):
     @abstractmethod
     def _reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, op: str) -> None:
         """Reduce and scatter into ``out`` over all ranks."""
+
+    # Non-blocking collective hooks: the returned request completes once the result is in
+    # place (any copy back or division done). The defaults run the blocking hook and return a
+    # CompletedRequest: correct for any backend, only not overlapped with computation.
+
+    def _iallreduce(self, tensor: torch.Tensor, op: str) -> Request:
+        """Start reducing ``tensor`` in place over all ranks (default: blocking)."""
+        self._allreduce(tensor, op)
+        return CompletedRequest()
+
+    def _iallgather(self, tensor: torch.Tensor, out: torch.Tensor) -> Request:
+        """Start gathering into ``out`` over all ranks (default: blocking)."""
+        self._allgather(tensor, out)
+        return CompletedRequest()
+
+    def _ireduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, op: str) -> Request:
+        """Start reducing and scattering into ``out`` over all ranks (default: blocking)."""
+        self._reduce_scatter(tensor, out, op)
+        return CompletedRequest()
 
     @abstractmethod
     def _broadcast(self, tensor: torch.Tensor, root: int) -> None:
@@ -372,6 +486,21 @@ class Communicator(ABC):
         if key is not None and len(seen) < 4096:
             seen.add(key)
 
+    def _gather_out(self, tensor, out, name: str) -> torch.Tensor:
+        """Check an allgather's arguments; return its (checked or new) ``out``."""
+        self._check_tensor(tensor, "tensor")
+        _check_has_dim0(tensor, name)
+        shape = (tensor.shape[0] * self.size, *tensor.shape[1:])
+        return self._out(out, tensor, shape, name)
+
+    def _scatter_out(self, tensor, out, op, name: str) -> torch.Tensor:
+        """Check a reduce_scatter's arguments; return its (checked or new) ``out``."""
+        self._check_tensor(tensor, "tensor")
+        self._check_op(op, tensor.dtype)
+        self._check_divisible(tensor, name)
+        shape = (tensor.shape[0] // self.size, *tensor.shape[1:])
+        return self._out(out, tensor, shape, name)
+
     def _check_divisible(self, tensor: torch.Tensor, name: str) -> None:
         _check_has_dim0(tensor, name)
         if tensor.shape[0] % self.size:
@@ -460,8 +589,9 @@ def _not_member(name: str):
 
 # Public methods and backend hooks alike raise on a NullCommunicator.
 for _name in ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall", "barrier",
-              "allreduce_scalars", "send", "recv", "isend", "irecv", "p2p_group", "isend_boxes",
-              "irecv_boxes", "boxes_exchange", "split"):
+              "iallreduce", "iallgather", "ireduce_scatter", "allreduce_scalars", "send", "recv",
+              "isend", "irecv", "p2p_group", "isend_boxes", "irecv_boxes", "boxes_exchange",
+              "split"):
     setattr(NullCommunicator, _name, _not_member(_name))
     setattr(NullCommunicator, "_" + _name, _not_member(_name))
 update_abstractmethods(NullCommunicator)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from mpi4py import MPI
 
-from .base import Communicator, NullCommunicator, Request
+from .base import CollectiveRequest, Communicator, NullCommunicator, Request
 
 __all__ = ["MPICommunicator", "MPIRequest", "MPIRequests", "world"]
 
@@ -124,6 +124,40 @@ class MPICommunicator(Communicator):
             self.comm.Reduce_scatter_block(_as_buffer(tensor), _as_buffer(out), op=_MPI_OPS[op])
         if op == "avg":
             out.div_(self.size)
+
+    # Non-blocking collectives: MPI-3's Iallreduce / Iallgather / Ireduce_scatter_block. The
+    # MPIRequest holds the numpy views, the CollectiveRequest the tensors and staging
+    # buffers, until complete; float16/bfloat16 reductions stage a float32 copy as above and
+    # copy back on completion.
+
+    def _iallreduce(self, tensor, op):
+        if tensor.dtype in _HALF_TYPES:
+            tmp = tensor.float()
+            return CollectiveRequest(self._iallreduce(tmp, op), finish=lambda: tensor.copy_(tmp),
+                                     keep=(tensor, tmp))
+        buf = _as_buffer(tensor)
+        req = MPIRequest(self.comm.Iallreduce(MPI.IN_PLACE, buf, op=_MPI_OPS[op]), buf)
+        return CollectiveRequest(req, finish=self._divider(tensor, op), keep=tensor)
+
+    def _iallgather(self, tensor, out):
+        bufs = (_as_buffer(tensor), _as_buffer(out))  # half types move as raw bytes
+        return MPIRequest(self.comm.Iallgather(*bufs), (bufs, tensor, out))
+
+    def _ireduce_scatter(self, tensor, out, op):
+        """MPI's Ireduce_scatter_block, whatever the size: no ring as in the blocking call (a
+        ring of non-blocking steps would need a progress engine of its own), so the library
+        may reduce the whole vector on one rank (a full-size temporary there)."""
+        if tensor.dtype in _HALF_TYPES:
+            tmp_in, tmp_out = tensor.float(), torch.empty(out.shape, dtype=torch.float32)
+            return CollectiveRequest(self._ireduce_scatter(tmp_in, tmp_out, op),
+                                     finish=lambda: out.copy_(tmp_out), keep=(tmp_in, tmp_out))
+        bufs = (_as_buffer(tensor), _as_buffer(out))
+        req = MPIRequest(self.comm.Ireduce_scatter_block(*bufs, op=_MPI_OPS[op]), bufs)
+        return CollectiveRequest(req, finish=self._divider(out, op), keep=(tensor, out))
+
+    def _divider(self, tensor, op):
+        """What completes an average: the division of the sum by the size (None otherwise)."""
+        return (lambda: tensor.div_(self.size)) if op == "avg" else None
 
     def _ring_reduce_scatter(self, chunks: torch.Tensor, out: torch.Tensor, op: str) -> None:
         """Ring reduce-scatter: p-1 Sendrecv steps of one chunk each, two chunk-sized

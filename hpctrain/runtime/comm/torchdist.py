@@ -14,7 +14,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from .base import AllRequests, Communicator, NullCommunicator, Request
+from .base import AllRequests, CollectiveRequest, Communicator, NullCommunicator, Request
 from .mpi import MPICommunicator
 
 __all__ = ["TorchDistCommunicator", "TorchDistRequest"]
@@ -29,6 +29,7 @@ _ALLGATHER = getattr(dist, "all_gather_single", None) or getattr(
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or getattr(
     dist, "reduce_scatter_tensor", None)
 _HAS_SORT_RANKS = "sort_ranks" in inspect.signature(dist.new_group).parameters
+_UNSUPPORTED = object()  # what _try_native returns when the backend lacks the collective
 
 # Subgroups by their global ranks in group-rank order. They are created with
 # use_local_synchronization, whose group names are hashes of the ranks, so one rank list
@@ -118,17 +119,54 @@ class TorchDistCommunicator(Communicator):
             tensor.div_(self.size)
 
     def _allgather(self, tensor, out):
-        if not self._try_native(_ALLGATHER, out, tensor):
+        if self._try_native(_ALLGATHER, out, tensor) is _UNSUPPORTED:
             # The list holds views of out, so the gathered chunks land in place.
             dist.all_gather(list(out.chunk(self.size)), tensor, group=self.group)
 
     def _reduce_scatter(self, tensor, out, op):
-        if not self._try_native(_REDUCE_SCATTER, out, tensor, op=_REDUCE_OPS[op]):
+        if self._try_native(_REDUCE_SCATTER, out, tensor, op=_REDUCE_OPS[op]) is _UNSUPPORTED:
             total = tensor.clone()
             dist.all_reduce(total, op=_REDUCE_OPS[op], group=self.group)
             out.copy_(total.chunk(self.size)[self.rank])
         if op == "avg":
             out.div_(self.size)
+
+    # Non-blocking collectives: the calls above with async_op=True, which nccl and gloo take
+    # for every one of them (the list-based fallbacks too), so nothing here falls back to a
+    # blocking call. The request divides an average (and copies an all-reduced chunk out)
+    # once the work is complete.
+
+    def _iallreduce(self, tensor, op):
+        work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.group, async_op=True)
+        return CollectiveRequest(TorchDistRequest(work, tensor),
+                                 finish=_divider(tensor, op, self.size))
+
+    def _iallgather(self, tensor, out):
+        work = self._try_native(_ALLGATHER, out, tensor, async_op=True)
+        if work is _UNSUPPORTED:
+            work = dist.all_gather(list(out.chunk(self.size)), tensor, group=self.group,
+                                   async_op=True)
+        return TorchDistRequest(work, (tensor, out))
+
+    def _ireduce_scatter(self, tensor, out, op):
+        """Gloo's reduce_scatter handle is not pollable: it fills ``out`` only inside wait()
+        and never reports is_completed() before (torch 2.x), so test() could never see it
+        finish. There (and where the tensor form is missing) all-reduce a copy in the
+        background and copy this rank's chunk out on completion: a full-size temporary in
+        host memory."""
+        avg = _divider(out, op, self.size)
+        work = _UNSUPPORTED if self.backend == "gloo" else self._try_native(
+            _REDUCE_SCATTER, out, tensor, op=_REDUCE_OPS[op], async_op=True)
+        if work is not _UNSUPPORTED:
+            return CollectiveRequest(TorchDistRequest(work, (tensor, out)), finish=avg)
+        total = tensor.clone()
+        work = dist.all_reduce(total, op=_REDUCE_OPS[op], group=self.group, async_op=True)
+
+        def finish():
+            out.copy_(total.chunk(self.size)[self.rank])
+            if avg is not None:
+                avg()
+        return CollectiveRequest(TorchDistRequest(work, total), finish=finish, keep=(tensor, out))
 
     def _broadcast(self, tensor, root):
         dist.broadcast(tensor, src=self._ranks[root], group=self.group)
@@ -208,20 +246,26 @@ class TorchDistCommunicator(Communicator):
                                           use_local_synchronization=True, **extra)
         return _GROUPS[key]
 
-    def _try_native(self, collective, *args, **kwargs) -> bool:
-        """Run a single-tensor collective; return False if the backend does not have it."""
+    def _try_native(self, collective, *args, **kwargs):
+        """Run a single-tensor collective and return what it returns (its work handle with
+        async_op=True); return _UNSUPPORTED if the backend does not have it."""
         if collective is None or not self._native_collectives:
-            return False
+            return _UNSUPPORTED
         try:
-            collective(*args, group=self.group, **kwargs)
+            return collective(*args, group=self.group, **kwargs)
         except (RuntimeError, NotImplementedError) as err:
             # Backends reject an unsupported collective locally, before any communication,
             # and every rank does the same, so falling back here cannot desynchronise ranks.
             if "support" not in str(err).lower() and "implement" not in str(err).lower():
                 raise
             self._native_collectives = False
-            return False
-        return True
+            return _UNSUPPORTED
+
+
+def _divider(tensor, op: str, size: int):
+    """What completes an average: the division of the sum by ``size`` (None otherwise);
+    sum then divide, as ReduceOp.AVG is NCCL-only on older torch."""
+    return (lambda: tensor.div_(size)) if op == "avg" else None
 
 
 def _bcast_address(mpi: MPICommunicator) -> str:
