@@ -91,14 +91,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fix glibc's mmap threshold in the measured ranks (0: glibc's dynamic "
                          "default, which keeps freed multi-MB tensors resident; runtime/malloc.py"
                          " explains the step-time cost)")
-    bs = bsub.add_parser("step", help="step time of zero3 and fsdp vs torch FSDP2, ddp for "
-                         "reference")
+    bs = bsub.add_parser("step", help="step time of ddp, zero1-3 and fsdp vs torch DDP, torch "
+                         "FSDP2 and the no-communication floor, with targets")
     bs.add_argument("--params-m", type=float, default=20.0, help="model size, millions of params")
-    bs.add_argument("--steps", type=int, default=10, help="timed steps (median)")
+    bs.add_argument("--width", type=_positive_int, default=1024, help="layer width")
+    bs.add_argument("--steps", type=_positive_int, default=10, help="timed steps (median)")
     bs.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    bs.add_argument("--batch", type=int, default=32, help="samples per rank")
-    bs.add_argument("--strategies", type=_strategy_list, default="zero3,fsdp,fsdp2,ddp",
-                    help="comma-separated")
+    bs.add_argument("--batch", type=_positive_int, default=32, help="samples per rank")
+    bs.add_argument("--strategies", type=_strategy_list,
+                    default="nocomm,torchddp,ddp,zero1,zero2,zero3,fsdp,fsdp:NO_SHARD",
+                    help="comma-separated from ddp, zero1, zero2, zero3, fsdp (FULL_SHARD), "
+                         "fsdp:SHARD_GRAD_OP, fsdp:NO_SHARD, fsdp2 (torch FSDP2), torchddp "
+                         "(torch DDP), nocomm (no communication: the compute floor)")
+    bs.add_argument("--json", dest="json_path", default="", metavar="PATH",
+                    help="also write the medians and ratios as JSON to PATH")
     bp = bsub.add_parser("pipeline", help="pipeline bubble per stage vs (p-1)/(m+p-1), "
                          "throughput vs torch.distributed.pipelining (gloo)")
     bp.add_argument("--pp", type=_int_list, default=(2, 4), help="pipeline depths, e.g. 2,4")
@@ -185,13 +191,18 @@ def _add_jobgen_parser(sub) -> None:
 
 
 def _strategy_list(text: str) -> tuple:
-    from hpctrain.bench.workload import STRATEGIES
+    from hpctrain.bench.workload import STRATEGIES, resolve
 
-    names = tuple(s.strip() for s in text.split(",") if s.strip())
-    bad = [s for s in names if s not in STRATEGIES]
-    if bad or not names:
+    names = []
+    for s in (s.strip() for s in text.split(",")):
+        try:
+            names += [resolve(s)] if s else []
+        except ValueError:
+            names = []
+            break
+    if not names:
         raise argparse.ArgumentTypeError(f"{text!r}: expected names from {', '.join(STRATEGIES)}")
-    return names
+    return tuple(dict.fromkeys(names))
 
 
 def _overrides(args) -> list[dict]:
@@ -323,7 +334,8 @@ def cmd_bench(args) -> int:
     if args.bench_command == "step":
         from hpctrain.bench.step import run as run_step
 
-        return run_step(args.params_m, args.steps, args.warmup, args.batch, args.strategies)
+        return run_step(args.params_m, args.steps, args.warmup, args.batch, args.strategies,
+                        width=args.width, json_path=args.json_path)
     if args.bench_command == "pipeline":
         from hpctrain.bench.pipeline import run as run_pipeline
 

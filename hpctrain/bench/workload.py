@@ -1,5 +1,8 @@
 """One benchmark run in fresh processes: build a Linear stack, wrap it, train a few steps.
 
+What can be run is ``ENTRIES``: a name -> an ``Entry`` saying how to build it (hpctrain's
+strategies, torch DDP and FSDP2 over gloo, the no-communication floor).
+
 Started by ``fresh.spawn`` (``python -m hpctrain.bench.workload JSON``); returns peak RSS
 above the pre-model baseline, step times and (ZeRO) the strategy's memory_report().
 """
@@ -10,13 +13,16 @@ import os
 import socket
 import statistics
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
 
-__all__ = ["STRATEGIES", "Stack", "formula_bytes", "layers_for", "measure"]
+from hpctrain.parallel.base import Parallelized
 
-STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp2")
+__all__ = ["ENTRIES", "STRATEGIES", "Entry", "Stack", "formula_bytes", "layers_for", "measure",
+           "resolve"]
 
 
 class Stack(nn.Module):
@@ -39,11 +45,12 @@ def layers_for(params_m: float, width: int) -> int:
 
 def formula_bytes(strategy: str, psi: int, n: int, unit_bytes: int) -> int:
     """Per-rank bytes of fp32 params + grads + AdamW state (ZeRO paper, K=8 without AMP)."""
-    if strategy in ("single", "ddp"):
+    memory = ENTRIES[resolve(strategy)].memory
+    if memory == "replicated":  # single, nocomm, ddp, torchddp, fsdp:NO_SHARD
         return 16 * psi
-    if strategy == "zero1":
+    if memory == "zero1":
         return 4 * psi + 4 * psi + 8 * psi // n
-    if strategy == "zero2":
+    if memory == "zero2":  # zero2, fsdp:SHARD_GRAD_OP
         return 4 * psi + 12 * psi // n
     return 16 * psi // n + unit_bytes  # zero3, fsdp and FSDP2 (FULL_SHARD): + one gathered unit
 
@@ -76,7 +83,8 @@ def _warm_up(strategy: str, world, batch: int) -> None:
     from hpctrain.runtime.malloc import release_free_heap
 
     width = 256  # its units are 256 KB: the ring reduce-scatter's path, as the model's
-    par = _wrap(strategy, Stack(width, 2), lambda ps: torch.optim.AdamW(ps, lr=1e-4), world)
+    par = ENTRIES[strategy].build(Stack(width, 2), lambda ps: torch.optim.AdamW(ps, lr=1e-4),
+                                  world)
     x = torch.randn(batch, width)
     for _ in range(2):
         par.backward(par.model(x).square().mean())
@@ -107,8 +115,10 @@ def _init_gloo(world) -> None:
     dist.init_process_group("gloo", rank=world.rank, world_size=world.size)
 
 
-class _FSDP2:
+class _FSDP2(Parallelized):
     """torch FSDP2 (fully_shard per layer, then the root) with the same step interface."""
+
+    name = "fsdp2"
 
     def __init__(self, model, make_optimizer, world):
         from torch.distributed.device_mesh import init_device_mesh
@@ -118,42 +128,128 @@ class _FSDP2:
         for b in model.blocks:
             fully_shard(b, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        self.model = model
-        self.optimizer = make_optimizer(model.parameters())
-
-    def backward(self, loss):
-        loss.backward()
-
-    def step(self):
-        self.optimizer.step()
-        self.optimizer.zero_grad()
+        super().__init__(model, make_optimizer(model.parameters()))
 
 
-def _prepare(strategy: str, world) -> None:
-    """Start the strategy's communication library before the baseline (not model memory)."""
-    if strategy == "fsdp2":
-        _init_gloo(world)
-    elif strategy == "ddp":
-        from hpctrain.parallel.ddp import DDPOptions, _init_horovod
+class _TorchDDP(Parallelized):
+    """torch.nn.parallel.DistributedDataParallel over gloo, torch's defaults (25 MB buckets,
+    all-reduces started from autograd hooks during backward)."""
 
-        _init_horovod(world.mpi_comm, DDPOptions())
+    name = "torchddp"
+
+    def __init__(self, model, make_optimizer, world):
+        from torch.nn.parallel import DistributedDataParallel
+
+        super().__init__(DistributedDataParallel(model), make_optimizer(model.parameters()))
 
 
-def _wrap(strategy: str, model, make_optimizer, world):
-    if strategy == "fsdp2":
-        return _FSDP2(model, make_optimizer, world)
-    from hpctrain.parallel import wrap
+class _NoComm(Parallelized):
+    """The compute floor: the same forward, backward and AdamW step, no communication at all
+    (every rank trains its own copy, concurrently with the others)."""
 
-    options = None
-    if strategy == "fsdp":
+    name = "nocomm"
+
+
+def _no_comm(model, make_optimizer, world):
+    return _NoComm(model, make_optimizer(model.parameters()))
+
+
+def _nothing(world) -> None:
+    pass
+
+
+def _destroy_gloo(world) -> None:
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+def _start_horovod(world) -> None:
+    from hpctrain.parallel.ddp import DDPOptions, _init_horovod
+
+    _init_horovod(world.mpi_comm, DDPOptions())
+
+
+def _ours(strategy: str, options=None):
+    """Build through hpctrain.parallel.wrap(strategy, ..., options)."""
+    def build(model, make_optimizer, world):
+        from hpctrain.parallel import wrap
+
+        return wrap(strategy, model, make_optimizer, world, options() if options else None)
+    return build
+
+
+def _fsdp_options(sharding: str):
+    def options():
         from hpctrain.parallel.fsdp import FSDPOptions
 
-        options = FSDPOptions()
-    if strategy.startswith("zero"):
+        return FSDPOptions(sharding_strategy=sharding)
+    return options
+
+
+def _zero_options(stage: int):
+    def options():
         from hpctrain.parallel.zero import ZeroOptions
 
-        options = ZeroOptions(stage=int(strategy[-1]))
-    return wrap(strategy, model, make_optimizer, world, options)
+        return ZeroOptions(stage=stage)
+    return options
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One thing the benchmarks can time: a name and how to build it.
+
+    ``build(model, make_optimizer, world)`` returns an object with ``model``, ``backward(loss)``
+    and ``step()`` (a Parallelized); ``prepare(world)`` starts its communication library before
+    the memory baseline is read (library memory is not model memory), ``finish(world)`` stops it.
+    ``memory`` names the per-rank formula (``formula_bytes``): "replicated" (16 psi), "zero1",
+    "zero2" or "sharded" (16 psi / n + one gathered unit). ``role``: "dp" for hpctrain's own
+    data-parallel flavours (compared with torch DDP), "torch" for torch's baselines, "floor"
+    for the no-communication floor, "single" for the 1-rank reference. A composed plan
+    (pp=2 x zero3, ...) is one more Entry whose build composes the wrappers.
+    """
+
+    name: str
+    build: Callable
+    memory: str
+    role: str
+    prepare: Callable = _nothing
+    finish: Callable = _nothing
+    ranks: str = "any"  # "one": runs on one rank only (single)
+
+
+def _entries() -> dict:
+    gloo = {"prepare": _init_gloo, "finish": _destroy_gloo}
+    out = [
+        Entry("single", _ours("single"), "replicated", "single", ranks="one"),
+        Entry("nocomm", _no_comm, "replicated", "floor"),
+        Entry("ddp", _ours("ddp"), "replicated", "dp", prepare=_start_horovod),
+        Entry("zero1", _ours("zero1", _zero_options(1)), "zero1", "dp"),
+        Entry("zero2", _ours("zero2", _zero_options(2)), "zero2", "dp"),
+        Entry("zero3", _ours("zero3", _zero_options(3)), "sharded", "dp"),
+        Entry("fsdp", _ours("fsdp", _fsdp_options("FULL_SHARD")), "sharded", "dp"),
+        Entry("fsdp:SHARD_GRAD_OP", _ours("fsdp", _fsdp_options("SHARD_GRAD_OP")), "zero2", "dp"),
+        Entry("fsdp:NO_SHARD", _ours("fsdp", _fsdp_options("NO_SHARD")), "replicated", "dp"),
+        Entry("fsdp2", _FSDP2, "sharded", "torch", **gloo),
+        Entry("torchddp", _TorchDDP, "replicated", "torch", **gloo),
+    ]
+    return {e.name: e for e in out}
+
+
+ENTRIES = _entries()
+STRATEGIES = tuple(ENTRIES)
+
+
+def resolve(name: str) -> str:
+    """The entry's name as registered (``fsdp:no_shard`` -> ``fsdp:NO_SHARD``; fsdp:FULL_SHARD
+    -> fsdp); ValueError for a name that is not one."""
+    key = name.strip()
+    if key.lower() == "fsdp:full_shard":
+        return "fsdp"
+    for n in ENTRIES:
+        if n.lower() == key.lower():
+            return n
+    raise ValueError(f"strategy {name!r}: expected one of {', '.join(STRATEGIES)}")
 
 
 def measure(strategy: str, params_m: float = 20.0, width: int = 1024, batch: int = 32,
@@ -161,15 +257,15 @@ def measure(strategy: str, params_m: float = 20.0, width: int = 1024, batch: int
     """Train warmup+steps AdamW steps; return per-rank peak RSS above baseline and timings."""
     from hpctrain.runtime.world import init_world
 
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy {strategy!r}: expected one of {', '.join(STRATEGIES)}")
+    strategy = resolve(strategy)
+    entry = ENTRIES[strategy]
     _set_mmap_threshold(mmap_threshold_kb)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     world = init_world(device="cpu")
     from hpctrain.runtime.malloc import tune_malloc
 
     applied_kb = tune_malloc()
-    _prepare(strategy, world)
+    entry.prepare(world)
     _warm_up(strategy, world, batch)
     world.mpi_comm.Barrier()
     base_kb = _status_kb("VmRSS")
@@ -180,7 +276,7 @@ def measure(strategy: str, params_m: float = 20.0, width: int = 1024, batch: int
     psi = sum(p.numel() for p in model.parameters())
     unit_bytes = max(sum(p.numel() for p in b.parameters()) for b in model.blocks) * 4
     layers = len(model.blocks)
-    par = _wrap(strategy, model, lambda ps: torch.optim.AdamW(ps, lr=1e-4), world)
+    par = entry.build(model, lambda ps: torch.optim.AdamW(ps, lr=1e-4), world)
     del model  # the wrapper holds what it keeps (ZeRO/FSDP2 free the full tensors)
     # Building the full model before sharding it is a peak of its own (meta-device init
     # avoids it); the formula describes training, so the training peak is read separately.
@@ -200,10 +296,7 @@ def measure(strategy: str, params_m: float = 20.0, width: int = 1024, batch: int
     above = (_status_kb("VmHWM") - base_kb) * 1024
     build = (build_kb - base_kb) * 1024
     report = par.memory_report() if hasattr(par, "memory_report") else None
-    if strategy == "fsdp2":
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
+    entry.finish(world)
     return {"strategy": strategy, "world_size": world.size, "psi": psi,
             "unit_bytes": unit_bytes, "layers": layers, "width": width,
             "rss_above": world.mpi_comm.allgather(above),
