@@ -26,7 +26,7 @@ DP_FLAVOURS = ("ddp", "zero1", "zero2", "zero3", "fsdp")  # parallel/plan.py FLA
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 PIPELINE_BALANCE = ("param-count", "measured")
 PIPELINE_P2P = ("auto", "eager", "ordered")  # parallel/pipeline/p2p.py P2P_MODES: the same
-PIPELINE_DP_SHARDING = ("ddp", "zero1", "zero2")  # parallel/pipeline/dp_shards.py: the same
+PIPELINE_DP_SHARDING = ("ddp", "zero1", "zero2", "zero3", "fsdp")  # = DP_FLAVOURS
 # fsdp choices (kept here so validation needs no torch import; parallel/fsdp.py checks the same).
 FSDP_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 FSDP_WRAP = ("blocks", "class", "size", "none")
@@ -124,8 +124,9 @@ class PipelineSection:
                       choices=PIPELINE_BALANCE)
     split_points: str = _f("", "explicit stage starts: comma-separated layer indices or names "
                                "(e.g. '3,6' or 'blocks.2'); empty: balanced split")
-    dp_sharding: str = _f("ddp", "each stage's gradients over dp: all-reduced (ddp), or "
-                          "optimizer state (zero1) and gradients too (zero2) sharded",
+    dp_sharding: str = _f("ddp", "the dp flavour over each stage's replicas (as "
+                          "--dp-flavour): all-reduced (ddp), optimizer state (zero1), + "
+                          "gradients (zero2), + parameters (zero3) sharded, or fsdp",
                           choices=PIPELINE_DP_SHARDING)
     p2p: str = _f("auto", "how stages post messages: eager (non-blocking sends, MPI tags; CPU) "
                   "or ordered (grouped send/recv matched by order, as NCCL needs; on MPI the "
@@ -233,7 +234,7 @@ class Config:
             raise ConfigError(f"runtime.ranks_per_node = {rpn}: the {world_size} ranks launched "
                               f"are not divisible by it; launch a multiple of {rpn} ranks or "
                               f"change --ranks-per-node")
-        if plan.flavour in ("fsdp", "zero1", "zero2", "zero3") and not plan.pipeline:
+        if plan.flavour in ("fsdp", "zero1", "zero2", "zero3") and not plan.pipeline:  # units
             self._validate_wrap("fsdp" if plan.flavour == "fsdp" else "zero")
         return self
 
@@ -254,8 +255,9 @@ class Config:
 
         if plan.name == "single":
             return ()
-        if plan.pipeline:
-            return ("pipeline",)
+        if plan.pipeline:  # its ddp flavour is the engine's all-reduce, without [ddp] options
+            return ("pipeline",) + ((FLAVOUR_TABLES[plan.flavour],) if plan.flavour != "ddp"
+                                    else ())
         return (("domain",) if plan.domain else ()) + (FLAVOUR_TABLES[plan.flavour],)
 
     def _validate_tables_used(self, plan) -> None:

@@ -21,14 +21,18 @@ class DPGroups:
 
     ``dp``: the replicas that split the batch (gradients summed, state sharded over them);
     ``partial``: groups whose ranks hold PARTIAL gradients of the same parameters (the tiles
-    of a domain split), summed over too. ``batch``: every rank holding part of the global
-    batch (BatchNorm statistics), dp times the partial groups.
+    of a domain split), summed over too. ``batch``: the ranks holding the same parameters
+    and together the global batch (start values broadcast, BatchNorm statistics): dp times
+    the partial groups. ``norm``: groups whose ranks hold different parameters (pipeline
+    stages), over which norms are summed.
     """
 
-    def __init__(self, dp, partial=(), batch=None):
+    def __init__(self, dp, partial=(), batch=None, norm=()):
         self.dp = dp
         self.partial = tuple(c for c in partial if c.size > 1)
         self.batch = batch if batch is not None else dp
+        # Groups whose ranks hold DIFFERENT parameters (pipeline stages): norms sum over them.
+        self.norm = tuple(c for c in norm if c.size > 1)
 
     @classmethod
     def of_world(cls, world) -> "DPGroups":

@@ -100,27 +100,35 @@ class FSDP(ShardedModel):
     """A model sharded by fsdp (the engine does the work)."""
 
     def __init__(self, model, make_optimizer, world, units, frozen, opts: FSDPOptions,
-                 shard_comm, replicate_comm, schedule, partial_comms=()):
+                 shard_comm, replicate_comm, schedule, groups: DPGroups, on_demand: bool,
+                 specs=None, external: bool = False, name_of=None):
         self.opts = opts
         plan = ShardPlan(name="fsdp", stage=_STAGE[opts.sharding_strategy],
-                         grad_accum=opts.grad_accum, on_demand=schedule is not None,
-                         reduce_dtype=DTYPES[opts.reduce_dtype])
+                         grad_accum=opts.grad_accum, on_demand=on_demand,
+                         reduce_dtype=DTYPES[opts.reduce_dtype], hook_reduce=not external)
         super().__init__(model, make_optimizer, world, units, frozen, plan, shard_comm,
-                         replicate_comm, schedule, partial_comms)
+                         replicate_comm, schedule, groups.partial, specs, groups.norm, name_of)
+        self.reshard_after_forward = opts.sharding_strategy != "SHARD_GRAD_OP"
 
 
 def wrap(model: nn.Module, make_optimizer: OptimizerFactory, world,
-         options: FSDPOptions | None = None, groups: DPGroups | None = None) -> Parallelized:
+         options: FSDPOptions | None = None, groups: DPGroups | None = None, units=None,
+         name_of=None) -> Parallelized:
     """Shard model and optimizer with fsdp over the dp replicas (``groups``: from the
-    orchestrator; default every rank a replica). Collective over the world."""
+    orchestrator; default every rank a replica). Collective over the world. ``units`` and
+    ``name_of``: as zero.wrap (a model-parallel transform's units, driven by its executor)."""
     opts = options or FSDPOptions()
     groups = groups or DPGroups.of_world(world)
-    wrapped = wrapped_modules(model, opts)  # a bad policy fails here, on every rank alike
+    external = units is not None
+    wrapped = [] if external else wrapped_modules(model, opts)  # a bad policy fails here
     model.to(world.device)
     if opts.sync_batchnorm:  # batch statistics of the global batch, as in one process
         model = convert_sync_batchnorm(model, groups.batch)
-    broadcast_state(model, world.comm)
-    specs, frozen = partition_modules(model, rebind(model, wrapped))
+    broadcast_state(model, groups.batch)
+    if external:
+        specs, frozen = units, [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    else:
+        specs, frozen = partition_modules(model, rebind(model, wrapped))
     shard_comm, replicate_comm = _groups(world, opts.sharding_strategy, groups.dp)
     param_dtype = DTYPES[opts.param_dtype]
     offload = opts.cpu_offload and world.device.type != "cpu"
@@ -134,10 +142,13 @@ def wrap(model: nn.Module, make_optimizer: OptimizerFactory, world,
                       compute_dtype=param_dtype, shard_device="cpu" if offload else None)
              for s in specs]
     schedule = None
-    if sharded:
+    if sharded and not external:
         schedule = GatherSchedule(specs, units,
                                   reshard_after_forward=opts.sharding_strategy != "SHARD_GRAD_OP",
                                   prefetch=opts.backward_prefetch == "BACKWARD_PRE")
+    elif sharded:
+        for u in units:  # the executor gathers each unit when its layers run
+            u.free()
     buffer_dtype = DTYPES[opts.buffer_dtype]
     if buffer_dtype is not None:
         for b in model.buffers():
@@ -146,5 +157,5 @@ def wrap(model: nn.Module, make_optimizer: OptimizerFactory, world,
     if param_dtype is not None:
         cast_floating_inputs(model, param_dtype)
     return FSDP(model, make_optimizer, world, units, frozen, opts, shard_comm, replicate_comm,
-                schedule, groups.partial)
+                schedule, groups, sharded, specs, external, name_of)
 

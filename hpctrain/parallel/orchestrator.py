@@ -28,9 +28,10 @@ _OPTION_KEYS = {"ddp": "ddp", "zero1": "zero", "zero2": "zero", "zero3": "zero",
 
 
 class Composed:
-    """A data-parallel flavour's model (gradients, step, norms, checkpoint entries, memory)
-    run by a model-parallel executor (forward/backward, which samples and which part of
-    each sample this rank reads). Every other attribute is the flavour's."""
+    """A data-parallel flavour's model (gradients, step, norms, optimizer) run by a
+    model-parallel executor (forward/backward, which samples and which part of each sample
+    this rank reads; for the pipeline also the whole-model checkpoint naming). Every other
+    attribute is the flavour's, then the executor's."""
 
     def __init__(self, inner, executor, name: str):
         self._inner = inner
@@ -38,18 +39,45 @@ class Composed:
         self.name = name
 
     def __getattr__(self, attr):
-        return getattr(self._inner, attr)
+        try:
+            return getattr(self._inner, attr)
+        except AttributeError:
+            return getattr(self._executor, attr)
 
     def forward_backward(self, micro_batches, loss_fn, precision) -> float:
         """Run the executor over the step's micro-batches (collective)."""
-        return self._executor.forward_backward(self._inner.model, micro_batches, loss_fn,
-                                               precision, self._inner.backward)
+        return self._executor.forward_backward(self._inner, micro_batches, loss_fn, precision)
 
     def data_shard(self, world) -> tuple[int, int]:
         return self._executor.data_shard(world)
 
     def load_batch(self, dataset, indices):
         return self._executor.load_batch(dataset, indices)
+
+    def _by_executor(self, method: str, *args):
+        fn = getattr(self._executor, method, None)
+        return fn(self._inner, *args) if fn is not None else getattr(self._inner, method)(*args)
+
+    def state_entries(self) -> list:
+        return self._by_executor("state_entries")
+
+    def state_meta(self) -> dict:
+        return self._by_executor("state_meta")
+
+    def memory_report(self) -> dict:
+        return self._by_executor("memory_report")
+
+    def full_state_dict(self, rank0_only: bool = False) -> dict:
+        """As Parallelized.full_state_dict, the executor assembling the whole model."""
+        if not hasattr(self._executor, "full_state"):
+            return self._inner.full_state_dict(rank0_only)
+        state = self._executor.full_state(self._inner)
+        job = self._inner.job_comm
+        if job is not None:
+            job.barrier()
+        if rank0_only and job is not None and job.rank != 0:
+            return {}
+        return state
 
 
 def _log(world, text: str) -> None:
@@ -61,12 +89,28 @@ def _ranks(comm) -> str:
     return f"groups of {comm.size} rank{'s' if comm.size != 1 else ''}"
 
 
-def _flavour(plan: ParallelPlan, model, make_optimizer, world, options: dict, groups: DPGroups):
-    module = importlib.import_module(FLAVOUR_MODULES[plan.flavour])
-    opts = options.get(_OPTION_KEYS[plan.flavour])
+def _flavour(plan: ParallelPlan, model, make_optimizer, world, options: dict, groups: DPGroups,
+             **layout):
+    """Apply the plan's dp flavour. Under pipeline stages Horovod (which reduces over the
+    whole job) cannot carry ``ddp``: the stages' replicas are then all-reduced by the
+    sharding engine unsharded (NO_SHARD), and BatchNorm keeps per-stage statistics."""
+    from dataclasses import replace
+
+    flavour = plan.flavour
+    if plan.pipeline and flavour == "ddp":
+        from hpctrain.parallel.fsdp import FSDPOptions
+
+        ddp = options.get("ddp")
+        options = {**options, "fsdp": FSDPOptions(
+            sharding_strategy="NO_SHARD", grad_accum=ddp.grad_accum if ddp else 1)}
+        flavour = "fsdp"
+    module = importlib.import_module(FLAVOUR_MODULES[flavour])
+    opts = options.get(_OPTION_KEYS[flavour])
     if hasattr(module, "options_for"):
-        opts = module.options_for(plan.flavour, opts)
-    return module.wrap(model, make_optimizer, world, opts, groups=groups)
+        opts = module.options_for(flavour, opts)
+    if plan.pipeline:
+        opts = replace(opts or module.FSDPOptions(), sync_batchnorm=False)
+    return module.wrap(model, make_optimizer, world, opts, groups=groups, **layout)
 
 
 def parallelize(plan: ParallelPlan, model, make_optimizer, world, options: dict | None = None,
@@ -124,15 +168,22 @@ def _checkpoint(model, world) -> int:
 
 
 def _pipeline(plan, stack, make_optimizer, world, options, activation_checkpointing):
-    """The pipeline transform with its stages' dp flavour (its own, for now: ddp, zero1 or
-    zero2 over the replicas of each stage)."""
+    """The pipeline split, then the dp flavour over each stage's replicas, sharding the
+    units the pipeline names (the parameters each set of its chunks uses)."""
     from dataclasses import replace
 
-    from hpctrain.parallel.pipeline import PipelineOptions, wrap
+    from hpctrain.parallel.pipeline import PipelineOptions, prepare
 
     opts = options.get("pipeline") or PipelineOptions()
     opts = replace(opts, mesh=plan.layout, dp_sharding=plan.flavour,
                    activation_checkpointing=activation_checkpointing or opts.activation_checkpointing)
-    par = wrap(stack, make_optimizer, world, opts)
-    par.name = plan.name
-    return par
+    root, executor = prepare(stack, world, opts, plan.flavour)
+    _log(world, f"transform 1: pipeline: {plan.pp} stages ({_ranks(executor.pp)}), each "
+                f"layer's activations recomputed in backward: "
+                f"{'on' if opts.activation_checkpointing else 'off'}")
+    groups = DPGroups(executor.dp, (), executor.dp, norm=(executor.pp,))
+    par = _flavour(plan, root, make_optimizer, world, options, groups,
+                   units=executor.unit_specs(), name_of=executor.name_of)
+    _log(world, f"transform 2: {plan.flavour} over dp={executor.dp.size} for each stage's "
+                f"{len(executor.unit_specs())} units; norms summed over pp={plan.pp}")
+    return Composed(par, executor, plan.name)

@@ -24,8 +24,6 @@ FLAVOURS = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 #: The config table each flavour reads.
 FLAVOUR_TABLES = {"ddp": "ddp", "zero1": "zero", "zero2": "zero", "zero3": "zero",
                   "fsdp": "fsdp"}
-# Which flavours the pipeline can carry over the replicas of its stages today.
-_PIPELINE_FLAVOURS = ("ddp", "zero1", "zero2")
 
 
 class PlanError(ValueError):
@@ -157,10 +155,6 @@ def build_plan(strategy: str, mesh: str, world_size: int, dp_flavour: str = "",
         raise PlanError(f"runtime.mesh = {mesh!r}: pipeline stages (pp={pp}) over a domain "
                         f"split (dom={'x'.join(map(str, dom))}) cannot be combined yet; use "
                         f"one of them with dp")
-    if (pp > 1 or strategy == "pipeline") and flavour not in _PIPELINE_FLAVOURS:
-        raise PlanError(f"dp flavour {flavour!r} under pipeline stages (pp={pp}) is not "
-                        f"available yet: the stages' replicas can use "
-                        f"{', '.join(_PIPELINE_FLAVOURS)}; e.g. --dp-flavour zero2")
     pipeline, domain = pp > 1 or strategy == "pipeline", dom_size > 1 or strategy == "domain"
     if pipeline:  # the pipeline strategy keeps its name with any of its dp flavours
         name = "pipeline" if strategy == "pipeline" else f"pipeline+{flavour}"

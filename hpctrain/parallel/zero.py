@@ -80,30 +80,44 @@ class Zero(ShardedModel):
     """A model sharded by ZeRO stage 1, 2 or 3 (the engine does the work)."""
 
     def __init__(self, model, make_optimizer, world, units, frozen, opts: ZeroOptions, schedule,
-                 groups: DPGroups):
+                 groups: DPGroups, specs=None, external: bool = False, name_of=None):
         self.opts = opts
         plan = ShardPlan(name=f"zero{opts.stage}", stage=opts.stage, grad_accum=opts.grad_accum,
-                         persistent_grads=opts.stage == 1, on_demand=opts.stage == 3)
+                         persistent_grads=opts.stage == 1, on_demand=opts.stage == 3,
+                         hook_reduce=not external)
         super().__init__(model, make_optimizer, world, units, frozen, plan, shard_comm=groups.dp,
-                         schedule=schedule, partial_comms=groups.partial)
+                         schedule=schedule, partial_comms=groups.partial, specs=specs,
+                         norm_comms=groups.norm, name_of=name_of)
 
 
 def wrap(model: nn.Module, make_optimizer: OptimizerFactory, world, options: ZeroOptions | None = None,
-         groups: DPGroups | None = None) -> Parallelized:
+         groups: DPGroups | None = None, units=None, name_of=None) -> Parallelized:
     """Shard model and optimizer over the dp replicas with ZeRO (``groups``: from the
-    orchestrator; default every rank a replica). Collective over the world."""
+    orchestrator; default every rank a replica). Collective over the world.
+
+    ``units`` (UnitSpecs from a model-parallel transform, e.g. the pipeline's) replace the
+    auto-wrap policy; that transform's executor then gathers, frees and reduces them
+    (``gather_units``...). ``name_of`` maps local parameter names to checkpoint names."""
     if options is None or options.stage is None:
         raise ValueError(f"zero.wrap needs the stage: got {options!r}; pass ZeroOptions(stage=1, "
                          "2 or 3), or use parallel.wrap('zero2', ...) (hpctrain.parallelize), "
                          "which takes it from the name")
     opts = options
     groups = groups or DPGroups.of_world(world)
-    wrapped = wrapped_modules(model, opts)  # a bad policy fails here, on every rank alike
+    external = units is not None
+    wrapped = [] if external else wrapped_modules(model, opts)  # a bad policy fails here
     model.to(world.device)
     if opts.sync_batchnorm:  # batch statistics of the global batch, as in one process
         model = convert_sync_batchnorm(model, groups.batch)
-    broadcast_state(model, world.comm)
-    specs, frozen = partition_modules(model, rebind(model, wrapped))
-    units = [FlatUnit(s.name, s.params, groups.dp, keep_full=opts.stage < 3) for s in specs]
-    schedule = GatherSchedule(specs, units) if opts.stage == 3 else None
-    return Zero(model, make_optimizer, world, units, frozen, opts, schedule, groups)
+    broadcast_state(model, groups.batch)
+    if external:
+        specs, frozen = units, [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    else:
+        specs, frozen = partition_modules(model, rebind(model, wrapped))
+    flat = [FlatUnit(s.name, s.params, groups.dp, keep_full=opts.stage < 3) for s in specs]
+    schedule = GatherSchedule(specs, flat) if opts.stage == 3 and not external else None
+    if opts.stage == 3 and external:
+        for u in flat:  # the executor gathers each unit when its layers run
+            u.free()
+    return Zero(model, make_optimizer, world, flat, frozen, opts, schedule, groups, specs,
+                external, name_of)

@@ -16,7 +16,7 @@ from hpctrain.train.trainer import Trainer, build_model
 def make_config(case: dict) -> Config:
     cfg = Config()
     cfg.train.progress, cfg.train.out_dir, cfg.train.log_every = "off", "", 1000
-    for section in ("train", "pipeline", "runtime", "checkpoint"):
+    for section in ("train", "pipeline", "runtime", "checkpoint", "fsdp"):
         for k, v in case.get(section, {}).items():
             setattr(getattr(cfg, section), k, v)
     return cfg

@@ -1,4 +1,5 @@
-"""pipeline.dp_sharding = zero1 / zero2 (and ddp with awkward params) at --mesh dp=2,pp=2: training reproduces single-process
+"""Every dp flavour over the replicas of pipeline stages (ddp with awkward params, zero1-3, fsdp
+FULL_SHARD / SHARD_GRAD_OP / HYBRID_SHARD) at --mesh dp=2,pp=2: training reproduces single-process
 (losses over 20 steps within rtol 1e-5), optimizer state (zero1) and gradients (zero2) are 1/dp
 per rank, and checkpoints load across single / pipeline ddp / pipeline zero.
 
@@ -32,6 +33,13 @@ EQUIV = [
     # plain ddp over dp: frozen and never-used params must keep no gradient (weight decay
     # and momentum would move them)
     ("ddp", AWKWARD, "adamw", "interleaved-1f1b", 1, 0.0),
+    # parameters sharded too (the executor gathers each unit around its chunks' actions),
+    # GPT's embedding tied across the first and last stage
+    ("zero3", "gpt", "adamw", "1f1b", 2, 0.5),
+    ("zero3", AWKWARD, "sgd", "interleaved-1f1b", 1, 0.0),
+    ("fsdp", "gpt", "adamw", "gpipe", 1, 0.0),
+    ("fsdp:SHARD_GRAD_OP", "mlp", "adamw", "1f1b", 2, 0.0),
+    ("fsdp:HYBRID_SHARD", "gpt", "sgd", "1f1b", 1, 0.0),
 ]
 # At 2 ranks: one stage sharded over dp=2 (GPT's tied weight shared on one rank), and a
 # pp=2 pipeline whose shards span one rank (dp=1).
@@ -53,9 +61,14 @@ def _key(model, opt, accum, clip):
 
 
 def _pp(name, train, mode, sched="1f1b", mesh="dp=2,pp=2", ck=None, resume="", memory=False):
+    flavour, _, sharding = mode.partition(":")
     case = {"name": name, "train": {**train, "strategy": "pipeline"}, "runtime": {"mesh": mesh},
-            "pipeline": {"schedule": sched, "microbatches": 4, "dp_sharding": mode},
+            "pipeline": {"schedule": sched, "microbatches": 4, "dp_sharding": flavour},
             "memory": memory}
+    if sharding:
+        case["fsdp"] = {"sharding_strategy": sharding}
+    if sharding == "HYBRID_SHARD":  # ranks 0,1 and 2,3 share a node: dp groups in a node
+        case["runtime"]["ranks_per_node"] = 2
     if ck is not None:
         case["checkpoint"] = {"dir": str(ck), "every": 5, "resume": resume}
     return case
@@ -99,14 +112,23 @@ def runs(tmp_path_factory):
         # a single-process checkpoint into pipeline zero2
         _pp("ck-zero2<-single", CKPT_TRAIN, "zero2", "gpipe", ck=tmp / "c",
             resume=str(tmp / "s" / "ckpt-000005.h5")),
+        # written by pp=2 x zero3 (tied embedding sharded on two stages), read at pp=4
+        _pp("ck-zero3", CKPT_TRAIN, "zero3", "1f1b", ck=tmp / "z3"),
+        _pp("ck-pp4<-zero3", CKPT_TRAIN, "ddp", mesh="pp=4", ck=tmp / "f",
+            resume=str(tmp / "z3" / "ckpt-000005.h5")),
     ]
     two = _run(2, tmp, "two", [_pp(f"{mode}-{m}-{o}-{s}-a{a}-c{c}-{mesh}", _train(m, o, a, c),
                                    mode, s, mesh=mesh) for mode, m, o, s, a, c, mesh in TWO])
     four = _run(4, tmp, "four", cases)
     back = _run(1, tmp, "back", [
         _single("ck-single<-zero2", tmp / "d", resume=str(tmp / "z2" / "ckpt-000005.h5")),
-        _single("ck-single<-zero1", tmp / "e", resume=str(tmp / "z1" / "ckpt-000005.h5"))])
-    return {"single": single, "two": two, "four": four, "back": back}
+        _single("ck-single<-zero1", tmp / "e", resume=str(tmp / "z1" / "ckpt-000005.h5")),
+        _single("ck-single<-zero3", tmp / "g", resume=str(tmp / "z3" / "ckpt-000005.h5"))])
+    # ...and by plain zero2 on 3 ranks (no pipeline: the batch of 16 splits 6/5/5)
+    three = _run(3, tmp, "three", [
+        {**_single("ck-zero2x3<-zero3", tmp / "h", resume=str(tmp / "z3" / "ckpt-000005.h5")),
+         "train": {**CKPT_TRAIN, "strategy": "zero2"}}])
+    return {"single": single, "two": two, "four": four, "back": {**back, **three}}
 
 
 @pytest.mark.parametrize("mode,model,opt,sched,accum,clip", EQUIV,
@@ -151,7 +173,9 @@ def test_pipeline_zero_memory_is_one_over_dp(runs):
 
 
 @pytest.mark.parametrize("name", ["ck-zero1", "ck-zero2", "ck-pp4<-zero1", "ck-zero1<-zero2",
-                                  "ck-zero2<-single", "ck-single<-zero2", "ck-single<-zero1"])
+                                  "ck-zero2<-single", "ck-single<-zero2", "ck-single<-zero1",
+                                  "ck-zero3", "ck-pp4<-zero3", "ck-single<-zero3",
+                                  "ck-zero2x3<-zero3"])
 def test_pipeline_zero_checkpoints_resume_the_single_trajectory(runs, name):
     ref = runs["single"]["ck-single"]
     got = {**runs["four"], **runs["back"]}[name]

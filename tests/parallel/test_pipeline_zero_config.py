@@ -16,14 +16,14 @@ def _cfg(value):
     return cfg
 
 
-@pytest.mark.parametrize("bad", ["zero3", "fsdp", "", "ZERO1"])
+@pytest.mark.parametrize("bad", ["zero4", "hybrid", "", "ZERO1"])
 def test_bad_dp_sharding_is_a_config_error(bad):
     with pytest.raises(ConfigError, match=r"pipeline\.dp_sharding = .*expected one of ddp, "
-                                          r"zero1, zero2"):
+                                          r"zero1, zero2, zero3, fsdp"):
         _cfg(bad).validate(4)
 
 
-@pytest.mark.parametrize("good", ["ddp", "zero1", "zero2"])
+@pytest.mark.parametrize("good", ["ddp", "zero1", "zero2", "zero3", "fsdp"])
 def test_dp_sharding_reaches_the_pipeline_options(good):
     cfg = _cfg(good).validate(4)
     opts = strategy_options(cfg)
@@ -34,12 +34,14 @@ def test_default_is_ddp():
     assert Config().pipeline.dp_sharding == "ddp" and PipelineOptions().dp_sharding == "ddp"
 
 
-def test_wrap_refuses_a_bad_value_before_any_collective():
-    from hpctrain.parallel.pipeline import wrap
-
-    # world=None: wrap must raise before it touches the world (no collective, no mesh).
-    with pytest.raises(ValueError, match="pipeline.dp_sharding = 'zero3'"):
-        wrap(None, None, None, PipelineOptions(dp_sharding="zero3"))
+def test_dp_sharding_is_the_plans_flavour():
+    cfg = _cfg("zero3").validate(4)
+    plan = cfg.plan(4)
+    assert plan.flavour == "zero3" and plan.name == "pipeline" and plan.pipeline
+    cfg = _cfg("zero2")
+    cfg.runtime.dp_flavour = "zero3"
+    with pytest.raises(ConfigError, match="disagree"):
+        cfg.validate(4)
 
 
 # pipeline.p2p: the issue order of stage messages (eager on CPU, ordered for NCCL).
@@ -57,7 +59,7 @@ def test_p2p_reaches_the_pipeline_and_auto_follows_the_device():
     import torch
 
     from hpctrain.config import PIPELINE_P2P
-    from hpctrain.parallel.pipeline import wrap
+    from hpctrain.parallel.pipeline import prepare
     from hpctrain.parallel.pipeline.p2p import P2P_MODES, ordered_mode
 
     assert PIPELINE_P2P == P2P_MODES and Config().pipeline.p2p == "auto"
@@ -69,4 +71,4 @@ def test_p2p_reaches_the_pipeline_and_auto_follows_the_device():
     assert ordered_mode("ordered", cpu, 2) and not ordered_mode("eager", gpu, 2)
     assert not ordered_mode("ordered", gpu, 1)  # one rank: every message is local
     with pytest.raises(ValueError, match="pipeline.p2p = 'nccl'"):
-        wrap(None, None, None, PipelineOptions(p2p="nccl"))
+        prepare(None, None, PipelineOptions(p2p="nccl"))  # before the world is touched

@@ -24,6 +24,9 @@ from tests.mpirun import run_single
     (("single", "pp=2,dp=2", 4, "zero2"), ("pipeline+zero2", 2, 2, (1,), "zero2",
                                            ["pipeline", "zero2"])),
     (("single", "", 2, "zero1"), ("zero1", 1, 2, (1,), "zero1", ["zero1"])),
+    (("zero3", "pp=2,dp=2", 4), ("pipeline+zero3", 2, 2, (1,), "zero3", ["pipeline", "zero3"])),
+    (("single", "pp=2,dp=2", 4, "fsdp"), ("pipeline+fsdp", 2, 2, (1,), "fsdp",
+                                          ["pipeline", "fsdp"])),
 ])
 def test_plans(args, want):
     p = build_plan(*args)
@@ -40,8 +43,6 @@ def test_pipeline_dp_sharding_is_the_pipelines_flavour():
 @pytest.mark.parametrize("args, match", [
     (("single", "", 2), "launcher started 2 ranks"),
     (("zero2", "", 4, "zero3"), "--strategy zero2 and --dp-flavour zero3 name different"),
-    (("single", "pp=2,dp=2", 4, "zero3"), "dp flavour 'zero3' under pipeline stages"),
-    (("single", "pp=2,dp=2", 4, "fsdp"), "dp flavour 'fsdp' under pipeline stages"),
     (("ddp", "tp=2", 4), r"tensor parallel \(tp=2\) is not available yet"),
     (("single", "pp=2,dom=2", 4, "ddp"), "cannot be combined yet"),
     (("single", "pp=3", 4, "ddp"), "does not divide 4 ranks"),
@@ -79,10 +80,11 @@ def test_micro_batches_split_over_dp_only():
 
 
 def test_a_plan_that_cannot_run_is_one_line_before_mpi(tmp_path):
-    proc = run_single(["-m", "hpctrain", "train", "--mesh", "pp=2,dp=2", "--dp-flavour", "fsdp",
+    proc = run_single(["-m", "hpctrain", "train", "--mesh", "pp=2,dom=2", "--dp-flavour", "fsdp",
                        "--steps", "1", "--out-dir", str(tmp_path)], check=False,
                       env={"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "0",
                            "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"})
     assert proc.returncode == 2, proc.stdout + proc.stderr
     err = proc.stderr.strip().splitlines()
-    assert err[-1].startswith("hpctrain: error: dp flavour 'fsdp' under pipeline stages"), err
+    assert err[-1].startswith("hpctrain: error: runtime.mesh = 'pp=2,dom=2': pipeline stages "
+                              "(pp=2) over a domain split (dom=2) cannot be combined yet"), err

@@ -73,10 +73,10 @@ class DomainExecutor:
         """The global grids of the batch whose tiles forward_backward gets next."""
         self._shapes = (tuple(x_shape), tuple(y_shape))
 
-    def forward_backward(self, model, micro_batches, loss_fn, precision, backward) -> float:
+    def forward_backward(self, dp_part, micro_batches, loss_fn, precision) -> float:
         """Each micro-batch's loss on this rank's tiles, weighted by the tile's share of the
-        grid (collective: halo exchanges); ``backward(loss)`` is the dp flavour's."""
-        local = 0.0
+        grid (collective: halo exchanges); the dp flavour ``dp_part`` owns the backward."""
+        model, backward, local = dp_part.model, dp_part.backward, 0.0
         for x, y, weight in micro_batches:
             gx, gy = self._shapes
             # Layer shapes depend only on the global input grid: cache the shape lookups.

@@ -33,7 +33,10 @@ class Engine:
         self.recompute = activation_checkpointing
         self.trace: list | None = None
         self.peak_live = 0
-        self.after_backward = None  # called with the action's index after each backward
+        # Called with (action index, action) before and after each forward/backward: the dp
+        # flavour gathers a sharded unit's parameters, frees them, reduces its gradients.
+        self.before_action = None
+        self.after_action = None
         self._plan = None
 
     def _forward_chunk(self, c: int, x):
@@ -65,6 +68,8 @@ class Engine:
             if st.pre_sends or st.pre_recvs:
                 inbox.update(self.links.post([(m, outbox.pop(m)) for m in st.pre_sends],
                                              st.pre_recvs))
+            if self.before_action is not None:
+                self.before_action(i, a)
             if a.op == "F":
                 x, y, w = micro[a.mb]
                 inp = x if st.recv is None else inbox.pop(st.recv)
@@ -91,11 +96,11 @@ class Engine:
                     torch.autograd.backward(out, grad)
                 if st.send is not None:  # the previous stage's backward waits for it
                     outbox[st.send] = inp.grad if inp.grad is not None else torch.zeros_like(inp)
-                if self.after_backward is not None:  # e.g. zero2 reduces finished grads
-                    self.after_backward(i)
             t1 = time.perf_counter()
             if st.post_sends:
                 self.links.post([(m, outbox.pop(m)) for m in st.post_sends])
+            if self.after_action is not None:  # after the sends: another stage waits on them
+                self.after_action(i, a)
             if self.trace is not None:
                 self.trace.append((a.op, a.mb, a.chunk, t0, t1))
         if live or inbox or outbox:

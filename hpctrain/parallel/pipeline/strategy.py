@@ -1,9 +1,9 @@
-"""The pipeline strategy: this rank's stage(s), the schedule, and gradient sync over dp."""
+"""The pipeline transform: this rank's stage(s), the schedule, and the units the dp flavour
+shards over each stage's replicas (it never reduces gradients itself)."""
 
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass
 
@@ -12,15 +12,13 @@ from torch import nn
 
 from hpctrain.errors import UsageError
 from hpctrain.models.layers import LayerStack, from_sequential
-from hpctrain.parallel.base import OptimizerFactory, Parallelized
 from hpctrain.parallel.pipeline import plan, schedule as sched
-from hpctrain.parallel.pipeline.dp_shards import DP_SHARDINGS, DPShards
 from hpctrain.parallel.pipeline.engine import Engine
 from hpctrain.parallel.pipeline import p2p_plan
 from hpctrain.parallel.pipeline.p2p import P2P_MODES, StageLinks, ordered_mode
 from hpctrain.parallel.sharding.engine import broadcast_state
 
-__all__ = ["PipelineOptions", "Pipelined", "wrap", "resolve_layout"]
+__all__ = ["PipelineOptions", "PipelineExecutor", "prepare", "resolve_layout"]
 
 
 @dataclass
@@ -34,7 +32,7 @@ class PipelineOptions:
     balance: str = "param-count"    # or "measured"
     split_points: str = ""
     activation_checkpointing: bool = False
-    dp_sharding: str = "ddp"        # gradients over dp: ddp all-reduce, or zero1/zero2 shards
+    dp_sharding: str = "ddp"        # the dp flavour over the stages' replicas (ParallelPlan)
     p2p: str = "auto"               # issue order: eager (CPU), ordered (NCCL); auto by device
     sample: object = None           # one micro-batch input, for balance="measured"
     sample_target: object = None    # its target and the loss: "measured" times the loss
@@ -59,31 +57,123 @@ def resolve_layout(mesh, world_size: int):
     return layout
 
 
-class Pipelined(Parallelized):
-    """A rank's pipeline stage(s) with their optimizer; forward_backward runs the schedule."""
-
-    name = "pipeline"
+class PipelineExecutor:
+    """Runs this rank's stage(s): the schedule over each micro-batch's pieces, telling the
+    dp flavour when a unit's layers are about to run (gather), have run (free) and have
+    done their last backward of the step (reduce); names checkpoint entries for the WHOLE
+    model (every rank describes every tensor; the stage holding one writes it)."""
 
     def __init__(self, stack, root: nn.Module, owned: list[int], engine: Engine, actions,
-                 optimizer, pp, dp, tied_comm, tied_local: list, opts: PipelineOptions,
-                 shards=None, job_comm=None):
-        super().__init__(root, optimizer, job_comm)
-        self.shards = shards            # DPShards (zero1/zero2 over dp) or None (ddp)
-        self._grad_bytes = 0
-        self.stack, self.owned, self.engine, self.actions = stack, owned, engine, actions
+                 pp, dp, tied_comm, tied_local: list, opts: PipelineOptions, flavour: str):
+        self.stack, self.root, self.owned, self.engine = stack, root, owned, engine
+        self.actions = actions
         self.pp, self.dp, self.tied_comm, self.tied_local = pp, dp, tied_comm, tied_local
-        self.opts = opts
+        self.opts, self.flavour = opts, flavour
         self.is_last = engine.rank == engine.p - 1
         self._skeleton = None
+        self._specs = None
+        self._unit_chunks: list[tuple] = []   # unit index -> chunks that use it
+        self._trigger: list = []              # unit index -> action of its last backward
+
+    # -- the units the dp flavour shards: the parameters each set of local chunks uses --
+    def unit_specs(self) -> list:
+        """UnitSpecs over this rank's trainable parameters: one per set of local chunks that
+        use them, one per tied copy (last, in the stack's order, so the stages holding one
+        shard it alike; its gradient is also partial over the stages holding copies)."""
+        from hpctrain.parallel.units import UnitSpec
+
+        if self._specs is not None:
+            return self._specs
+        root, chunks = self.root, self.engine.chunks
+        paths = [[q for layer in chunk for q in _layer_paths(layer)] for chunk in chunks]
+        uses: dict[int, set] = {}
+        for name, p in root.named_parameters(remove_duplicate=False):
+            for c, qs in enumerate(paths):
+                if any(name == q or name.startswith(q + ".") for q in qs):
+                    uses.setdefault(id(p), set()).add(c)
+        tied_ids = [id(p) for p in self.tied_local]
+        groups: dict[tuple, list] = {}
+        for name, p in root.named_parameters():
+            if p.requires_grad and id(p) not in tied_ids:
+                groups.setdefault(tuple(sorted(uses.get(id(p), ()))), []).append((name, p))
+        names = {id(p): n for n, p in root.named_parameters()}
+        specs = [UnitSpec(f"chunks{list(k)}", None, ps) for k, ps in groups.items()]
+        chunk_sets = list(groups)
+        tied = self.stack.tied
+        for i, p in zip(tied_ids, self.tied_local):
+            partial = (self.tied_comm,) if self.tied_comm is not None else ()
+            specs.append(UnitSpec(f"tied:{names[i]}", None, [(names[i], p)], partial,
+                                  counted=names[i] not in tied))
+            chunk_sets.append(tuple(sorted(uses.get(i, ()))))
+        last_b = {}
+        for i, a in enumerate(self.actions):
+            if a.op == "B":
+                last_b[a.chunk] = i
+        self._unit_chunks = chunk_sets
+        self._trigger = [max((last_b[c] for c in used if c in last_b), default=None)
+                         for used in chunk_sets]
+        self._specs = specs
+        return specs
+
+    @property
+    def partial_groups(self) -> list:
+        return []
+
+    def name_of(self, local: str) -> str:
+        """The checkpoint name of a local parameter or state key (a tied copy: its owner's)."""
+        return self.stack.tied.get(local, local)
 
     # -- data: ranks of one pipeline share the data of their dp replica --
     def data_shard(self, world) -> tuple[int, int]:
         """The dp replica's share: every stage of a pipeline reads the same samples (local)."""
         return self.dp.rank, self.dp.size
 
-    def forward_backward(self, micro_batches, loss_fn, precision) -> float:
+    def load_batch(self, dataset, indices):
+        from hpctrain.data.sampler import collate
+
+        return collate(dataset, indices)
+
+    def _units_of(self, chunk: int) -> list[int]:
+        return [i for i, used in enumerate(self._unit_chunks) if chunk in used]
+
+    def _bind(self, dp_part) -> None:
+        """Connect the engine's action callbacks to the dp flavour's unit controls."""
+        self.unit_specs()
+        on_demand = dp_part.plan.on_demand
+        reshard = dp_part.reshard_after_forward
+        # Reduce in the step's last run right after a unit's last backward (stage >= 2:
+        # gradients are sharded); zero1 and replicas reduce at the step.
+        reduce_early = dp_part.plan.stage >= 2 and not dp_part.plan.persistent_grads
+        by_chunk = {c: self._units_of(c) for c in range(len(self.engine.chunks))}
+        triggered: dict[int, list] = {}
+        for u, t in enumerate(self._trigger):
+            if t is not None:
+                triggered.setdefault(t, []).append(u)
+
+        def before(index, action):
+            if on_demand:
+                dp_part.gather_units(by_chunk[action.chunk])
+
+        def after(index, action):
+            done = triggered.get(index, [])
+            if reduce_early and done:
+                dp_part.reduce_units(done)
+            if not on_demand:
+                return
+            if action.op == "F" and reshard:
+                dp_part.free_units(by_chunk[action.chunk])
+            elif action.op == "B":
+                # After the unit's last backward of this run, or (zero3, FULL_SHARD) after
+                # every use: it is gathered again before its next one.
+                dp_part.free_units([u for u in by_chunk[action.chunk] if reshard or u in done])
+
+        self.engine.before_action, self.engine.after_action = before, after
+
+    def forward_backward(self, dp_part, micro_batches, loss_fn, precision) -> float:
         """Cut each micro-batch into pipeline.microbatches pieces and run the schedule
         (collective: the stages exchange activations and gradients)."""
+        if self.engine.after_action is None:
+            self._bind(dp_part)
         m, local = self.opts.microbatches, 0.0
         for (x, y, weight), last in _with_last(micro_batches):
             n = x.shape[0]
@@ -93,88 +183,13 @@ class Pipelined(Parallelized):
                                  f"global_batch_size divisible by dp x grad_accum x {m}")
             xs, ys = x.split(n // m), y.split(n // m)
             micro = [(a, b, weight / m) for a, b in zip(xs, ys)]
-            if self.shards is not None:  # zero2 reduces during the step's last run only
-                self.shards.begin_run(final=last)
+            dp_part.set_final(last)  # only the step's last run reduces
             local += self.engine.run(self.actions, micro, loss_fn, precision)
         return local if self.is_last else 0.0
 
-    # -- gradients: tied copies summed between their stages, then summed over dp --
-    def _sync_grads(self) -> None:
-        if self.tied_comm is not None:
-            for p in self.tied_local:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                self.tied_comm.allreduce(p.grad)
-        if self.dp.size > 1:
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            had = [p.grad is not None for p in params]
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            # One all-reduce: the gradients, then a had-a-gradient flag per parameter.
-            flat = torch.cat([p.grad.reshape(-1) for p in params] +
-                             [torch.tensor(had, dtype=params[0].grad.dtype)]) if params else None
-            if flat is not None:
-                self.dp.allreduce(flat)  # weights already hold each replica's share: sum
-            off = 0
-            for p in params:
-                p.grad.copy_(flat[off:off + p.numel()].view_as(p))
-                off += p.numel()
-            # No gradient on any replica (an unused parameter): none, as in one process, so
-            # weight decay and momentum leave it alone.
-            for p, flag in zip(params, flat[off:].tolist() if params else []):
-                if flag == 0:
-                    p.grad = None
-        self._grad_bytes = sum(p.grad.numel() * p.grad.element_size()
-                               for p in self.model.parameters() if p.grad is not None)
-
-    def step(self, scaler=None, max_grad_norm: float = 0.0) -> None:
-        """ddp: the base step over full gradients; zero1/zero2: the shards step (dp_shards);
-        collective."""
-        if self.shards is None:
-            return super().step(scaler, max_grad_norm)
-        return self.shards.step(scaler, max_grad_norm)
-
-    def memory_report(self) -> dict:
-        """Bytes this rank holds for params, gradients (alive at the last step) and optimizer
-        state; with dp_sharding zero1/zero2 the optimizer (and zero2 grads) are 1/dp; local."""
-        if self.shards is not None:
-            rep = self.shards.memory_report()
-        else:
-            from hpctrain.parallel.sharding.engine import nbytes
-
-            rep = {"dp_sharding": "ddp", "dp": self.dp.size,
-                   "params": nbytes(list(self.model.parameters())), "grads": self._grad_bytes,
-                   "optimizer": nbytes([v for st in self.optimizer.state.values()
-                                        for v in st.values() if torch.is_tensor(v)])}
-        return {"strategy": self.name, "pp": self.pp.size, **rep}
-
-    def _canonical(self):
-        """Local parameters that are not a tied copy of a parameter owned elsewhere."""
-        return [(n, p) for n, p in self.model.named_parameters() if n not in self.stack.tied]
-
-    def _pp_sum(self, value: float) -> float:
-        return self.pp.allreduce_scalars([value])[0] if self.pp.size > 1 else value
-
-    def _grad_norm(self) -> float:
-        if self.shards is not None:
-            return self.shards.grad_norm()
-        sq = sum(float(p.grad.detach().double().pow(2).sum()) for _, p in self._canonical()
-                 if p.grad is not None)
-        return math.sqrt(self._pp_sum(sq))
-
-    def param_norm(self) -> float:
-        """Global L2 norm of the whole model's parameters (stages summed); collective."""
-        with torch.no_grad():
-            sq = sum(float(p.detach().double().pow(2).sum()) for _, p in self._canonical())
-        return math.sqrt(self._agree(self._pp_sum(sq)))
-
-    def buffer_norm(self) -> float:
-        """Global L2 norm of the whole model's floating buffers (stages summed); collective."""
-        with torch.no_grad():
-            sq = sum(float(b.detach().double().pow(2).sum()) for b in self.model.buffers()
-                     if b.is_floating_point())
-        return math.sqrt(self._agree(self._pp_sum(sq)))
+    def memory_report(self, dp_part) -> dict:
+        return {**dp_part.memory_report(), "strategy": "pipeline", "pp": self.pp.size,
+                "dp": self.dp.size, "dp_sharding": self.flavour}
 
     # -- checkpoints: every rank describes every tensor of the WHOLE model --
     def _whole(self) -> nn.Module:
@@ -183,57 +198,62 @@ class Pipelined(Parallelized):
                 self._skeleton = self.stack.build(range(len(self.stack)))
         return self._skeleton
 
-    def _my_span(self, n: int) -> tuple[int, int]:
+    def _dp_span(self, n: int) -> tuple[int, int]:
         return self.dp.rank * n // self.dp.size, (self.dp.rank + 1) * n // self.dp.size
 
-    def _entry(self, name, shape, dtype, tensor):
+    def state_entries(self, dp_part) -> list:
+        """The flavour's entries of this rank's tensors, completed to the whole model: a
+        tensor held by several stages (a tied copy) is written by the first; one held by
+        the replicas whole is split over dp; others' tensors are empty entries here."""
         from hpctrain.checkpoint.layout import Entry, numel
 
-        if tensor is None:
-            return Entry(name, shape, dtype, None, elems=(0, 0))
-        lo, hi = self._my_span(numel(shape))
-        return Entry(name, shape, dtype, tensor.detach().reshape(-1)[lo:hi], elems=(lo, hi))
+        mine = {e.name: e for e in dp_part.state_entries()}
+        descr = [[n, list(e.shape), str(e.dtype).replace("torch.", "")] for n, e in mine.items()]
+        holders: dict = {}
+        for r, per_rank in enumerate(_allgather_json(self.pp, descr)):
+            for name, shape, dtype in per_rank:
+                holders.setdefault(name, (tuple(shape), getattr(torch, dtype), r))
+        out = []
+        for name in self._order(holders):
+            shape, dtype, first = holders[name]
+            e = mine.get(name)
+            if e is None or first != self.pp.rank:
+                out.append(Entry(name, shape, dtype, None, elems=(0, 0)))
+            elif e.elems is None and e.rows is None:  # replicated over dp: split the writing
+                lo, hi = self._dp_span(numel(shape))
+                out.append(Entry(name, shape, dtype, e.local.detach().reshape(-1)[lo:hi],
+                                 elems=(lo, hi)))
+            else:
+                out.append(e)
+        return out
 
-    def _optim_descr(self) -> list:
-        """(param name, key, shape, dtype) of every optimizer tensor of the WHOLE model."""
-        if self.shards is not None:  # state of flat shards, named by the params behind them
-            mine = self.shards.local_optim_descr({n for n, _ in self._canonical()})
-        else:
-            mine = [[name, k, list(v.shape), str(v.dtype).replace("torch.", "")]
-                    for name, p in self._canonical()
-                    for k, v in sorted(self.optimizer.state.get(p, {}).items())
-                    if torch.is_tensor(v)]
-        seen, merged = set(), {}
-        for per_rank in _allgather_json(self.pp, mine):
-            for name, k, shape, dtype in per_rank:
-                if (name, k) not in seen:
-                    seen.add((name, k))
-                    merged.setdefault(name, []).append((k, tuple(shape), getattr(torch, dtype)))
-        order = [n for n, _ in self._whole().named_parameters()]
-        return [(n, k, s, d) for n in order for k, s, d in sorted(merged.get(n, []))]
+    def _order(self, names) -> list:
+        """The whole model's order: model tensors as its state_dict, then optimizer state
+        by parameter, each parameter's keys sorted (the same on every rank)."""
+        whole = self._whole()
+        model_keys, seen = [], set()
+        for key, t in whole.state_dict(keep_vars=True).items():
+            if id(t) not in seen:
+                seen.add(id(t))
+                model_keys.append(f"model/{key}")
+        params = {n: i for i, (n, _) in enumerate(whole.named_parameters())}
+        model = [k for k in model_keys if k in names]
+        optim = sorted((n for n in names if n.startswith("optim/")),
+                       key=lambda n: (params.get(n[6:].rsplit("/", 1)[0], len(params)), n))
+        rest = sorted(n for n in names if n not in set(model) and not n.startswith("optim/"))
+        return model + optim + rest
 
-    def state_entries(self) -> list:
-        local = dict(self.model.state_dict(keep_vars=True))
-        entries, seen = [], set()
-        for key, t in self._whole().state_dict(keep_vars=True).items():
-            if id(t) in seen:
-                continue
-            seen.add(id(t))
-            entries.append(self._entry(f"model/{key}", tuple(t.shape), t.dtype, local.get(key)))
-        params = dict(self._canonical())
-        for name, k, shape, dtype in self._optim_descr():
-            if self.shards is not None:
-                entries.append(self.shards.optim_entry(name, k, shape, dtype, set(params)))
-                continue
-            p = params.get(name)
-            v = self.optimizer.state.get(p, {}).get(k) if p is not None else None
-            entries.append(self._entry(f"optim/{name}/{k}", shape, dtype, v))
-        return entries
+    def state_meta(self, dp_part) -> dict:
+        whole = self._whole()
+        names = [n for n, _ in whole.named_parameters()]
+        return dp_part._state_meta(whole, lambda g: names)
 
-    def _full_state(self) -> dict:
+    def full_state(self, dp_part) -> dict:
         """The whole model's state: each tensor broadcast over pp from the first stage that
-        holds it (collective over the pipeline group; dp replicas hold the same values)."""
-        local = self.model.state_dict(keep_vars=True)
+        holds it (collective over the stages and, for sharded units, over dp)."""
+        copies = dp_part._gathered()  # sharded units' full values (collective over dp)
+        local = {k: (copies[id(t)] if id(t) in copies else t.detach())
+                 for k, t in dp_part.model.state_dict(keep_vars=True).items()}
         held = [set(keys) for keys in _allgather_json(self.pp, sorted(local))]
         whole = self._whole().state_dict(keep_vars=True)
         keys_of: dict = {}
@@ -246,8 +266,7 @@ class Pipelined(Parallelized):
                 raise RuntimeError(f"no pipeline stage holds {keys}; the stages do not cover "
                                    "the model")
             if src == self.pp.rank:
-                buf = local[next(k for k in keys if k in local)].detach().to(self.pp.device,
-                                                                              copy=True)
+                buf = local[next(k for k in keys if k in local)].to(self.pp.device, copy=True)
             else:
                 buf = torch.empty(t.shape, dtype=t.dtype, device=self.pp.device)
             self.pp.broadcast(buf, root=src)
@@ -255,29 +274,11 @@ class Pipelined(Parallelized):
             out.update({k: value for k in keys})
         return {k: out[k] for k in whole}
 
-    def state_meta(self) -> dict:
-        whole = self._whole()
-        names = [n for n, _ in whole.named_parameters()]
-        return self._state_meta(whole, lambda g: names)
 
-    def load_state_entries(self, reader) -> None:
-        """Load this rank's layers (tied copies from their owner's name) and their optimizer
-        state from a checkpoint written by any strategy at any depth."""
-        from hpctrain.checkpoint.layout import from_numpy
-
-        tied = self.stack.tied
-        with torch.no_grad():
-            for key, t in self.model.state_dict(keep_vars=True).items():
-                a = reader.read(f"model/{tied.get(key, key)}", tuple(t.shape))
-                if a is not None:
-                    t.copy_(from_numpy(a, t.dtype).reshape(t.shape))
-        if self.shards is not None:
-            if self._optim_class_matches(reader):
-                self.shards.load_optimizer(reader, tied)
-                self._load_param_groups(reader)
-            return
-        self._load_optimizer_state(
-            reader, ((tied.get(name, name), p) for name, p in self.model.named_parameters()))
+def _layer_paths(layer) -> list[str]:
+    """Module paths a PipeLayer builds (built on the meta device: no memory, no init)."""
+    with torch.device("meta"):
+        return list(layer.build())
 
 
 def _with_last(items):
@@ -403,14 +404,12 @@ def _tie_stages(stack: LayerStack, root: nn.Module, pp):
     return sub, tied_local
 
 
-def wrap(stack, make_optimizer: OptimizerFactory, world, options: PipelineOptions | None = None):
+def prepare(stack, world, options: PipelineOptions | None = None, flavour: str = "ddp"):
     """Build this rank's stage(s) of ``stack`` (a LayerStack, or an nn.Sequential split one
-    layer per child) and the schedule (collective)."""
+    layer per child) and the schedule; return (stage root module, executor). Collective.
+    ``flavour`` is the dp flavour the orchestrator applies next (for the log line)."""
     opts = options or PipelineOptions()
-    if opts.dp_sharding not in DP_SHARDINGS:  # pure: before any collective
-        raise ValueError(f"pipeline.dp_sharding = {opts.dp_sharding!r}: expected one of "
-                         f"{', '.join(DP_SHARDINGS)}")
-    if opts.p2p not in P2P_MODES:
+    if opts.p2p not in P2P_MODES:  # pure: before any collective
         raise ValueError(f"pipeline.p2p = {opts.p2p!r}: expected one of {', '.join(P2P_MODES)}")
     stack = _as_stack(stack)
     layout = resolve_layout(opts.mesh, world.size)
@@ -439,18 +438,12 @@ def wrap(stack, make_optimizer: OptimizerFactory, world, options: PipelineOption
     tied_comm, tied_local = _tie_stages(stack, root, pp)
     links = StageLinks(pp, p * v, world.device, ordered)
     engine = Engine(root, chunks, links, pp.rank, p, opts.activation_checkpointing)
-    shards = None
-    if opts.dp_sharding != "ddp":
-        shards = DPShards(root, chunks, actions_all[pp.rank], stack.tied, dp, pp, tied_comm,
-                          tied_local, opts.dp_sharding, make_optimizer)
-        engine.after_backward = shards.after_backward
-    optimizer = shards.optimizer if shards is not None else make_optimizer(root.parameters())
-    par = Pipelined(stack, root, owned, engine, actions_all[pp.rank], optimizer, pp, dp,
-                    tied_comm, tied_local, opts, shards, world.host)
+    executor = PipelineExecutor(stack, root, owned, engine, actions_all[pp.rank], pp, dp,
+                                tied_comm, tied_local, opts, flavour)
     if world.is_main:
         split = " | ".join(f"{g}:{names[grp[0]]}..{names[grp[-1]]}" for g, grp in enumerate(groups))
         print(f"hpctrain: pipeline pp={p} dp={dp.size} schedule={opts.schedule} "
-              f"microbatches={opts.microbatches} chunks/rank={v} dp_sharding={opts.dp_sharding} "
+              f"microbatches={opts.microbatches} chunks/rank={v} dp_sharding={flavour} "
               f"p2p={'ordered' if ordered else 'eager'} "
               f"stages {split}", flush=True)
-    return par
+    return root, executor

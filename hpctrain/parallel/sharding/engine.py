@@ -55,13 +55,18 @@ class ShardPlan:
     persistent_grads: bool = False
     on_demand: bool = False
     reduce_dtype: torch.dtype | None = None
+    # False: an executor (the pipeline's) says when units are gathered, freed and reduced
+    # (gather_units / free_units / reduce_units); the gradient hooks only record arrivals.
+    hook_reduce: bool = True
 
 
 class _UnitState:
     """Per-step bookkeeping of one unit's gradients."""
 
-    def __init__(self, unit: FlatUnit):
+    def __init__(self, unit: FlatUnit, partial=(), counted: bool = True):
         self.unit = unit
+        self.partial = [c for c in partial if c.size > 1]  # this unit's own partial groups
+        self.counted = counted                 # in norms (a tied copy is not)
         self.had = [False] * len(unit.slots)   # got a gradient this step (this rank)
         self.arrived: set = set()              # slots whose grad arrived this micro-batch
         self.reduced = False                   # reduce-scattered during the last backward
@@ -71,8 +76,11 @@ class _UnitState:
 class ShardedModel(Parallelized):
     """A model whose trainable parameters, gradients and optimizer state are sharded."""
 
+    reshard_after_forward = True  # an executor frees on-demand units after their forward
+
     def __init__(self, model, make_optimizer, world, units, frozen, plan: ShardPlan,
-                 shard_comm=None, replicate_comm=None, schedule=None, partial_comms=()):
+                 shard_comm=None, replicate_comm=None, schedule=None, partial_comms=(),
+                 specs=None, norm_comms=(), name_of=None):
         self.name = plan.name
         self.plan = plan
         self.world = world
@@ -80,10 +88,15 @@ class ShardedModel(Parallelized):
         self.replicate = replicate_comm if replicate_comm is not None and replicate_comm.size > 1 \
             else None
         self.partial = [c for c in partial_comms if c.size > 1]
+        # Groups whose ranks hold DIFFERENT parameters (pipeline stages): norms sum over them.
+        self.norm_comms = [c for c in norm_comms if c.size > 1]
+        self.name_of = name_of or (lambda name: name)  # local name -> checkpoint name
         self.units = units
         self.frozen = frozen
         self.schedule = schedule
-        self._states = [_UnitState(u) for u in units]
+        specs = specs or [None] * len(units)
+        self._states = [_UnitState(u, getattr(sp, "partial", ()), getattr(sp, "counted", True))
+                        for u, sp in zip(units, specs)]
         self._micro = 0
         self._final = True
         self._peak_transient = 0
@@ -116,7 +129,7 @@ class ShardedModel(Parallelized):
     def _on_grad(self, i: int, j: int, param: nn.Parameter) -> None:
         st = self._states[i]
         st.had[j] = True
-        if self.plan.persistent_grads:
+        if self.plan.persistent_grads or not self.plan.hook_reduce:
             return
         st.arrived.add(j)
         if len(st.arrived) == len(st.unit.slots):
@@ -128,6 +141,37 @@ class ShardedModel(Parallelized):
                 self._reduce(st)
                 st.reduced = True
             release_free_heap()  # the activations freed so far: before the next unit's peak
+
+    # ---- control by an executor (plan.hook_reduce False: the pipeline's schedule) ----------
+
+    def set_final(self, final: bool) -> None:
+        """Whether the coming backwards are the step's last (only those reduce)."""
+        self._final = final
+
+    def gather_units(self, indices) -> None:
+        """Gather the on-demand units ``indices`` (collective over the shard group)."""
+        if self.plan.on_demand:
+            for i in indices:
+                self.units[i].gather()
+
+    def free_units(self, indices) -> None:
+        """Free the full buffers of the on-demand units ``indices``."""
+        if self.plan.on_demand:
+            for i in indices:
+                self.units[i].free()
+
+    def reduce_units(self, indices) -> None:
+        """In the step's last backwards: reduce units whose gradients are complete now
+        (collective over the shard group and the unit's partial groups)."""
+        if not self._final or self.plan.persistent_grads:
+            return
+        for i in indices:
+            st = self._states[i]
+            if not st.reduced:
+                self.free_units([i])
+                self._reduce(st)
+                st.reduced = True
+        release_free_heap()
 
     def _reduce(self, st: _UnitState) -> None:
         """Reduce-scatter the unit's gradients (SUM) into its shard gradient (collective over
@@ -153,7 +197,8 @@ class ShardedModel(Parallelized):
             u = st.unit
             if self.plan.persistent_grads:
                 u.reduce_grad_buffer(st.grad_buf, self.comm)
-                for c in ([self.replicate] if self.replicate is not None else []) + self.partial:
+                for c in ([self.replicate] if self.replicate is not None else []) + \
+                        self.partial:
                     c.allreduce(u.shard.grad, op="sum")  # a view of grad_buf: in place
                 continue
             if not st.reduced:
@@ -163,14 +208,30 @@ class ShardedModel(Parallelized):
                 u.free()
             if u.shard.grad is None:
                 u.shard.grad = torch.zeros_like(u.shard)
+        # A unit's own partial groups (a weight tied across pipeline stages) only now, after
+        # every stage's schedule: mid-schedule the stages are at different actions.
+        for st in self._states:
+            for c in st.partial:
+                c.allreduce(st.unit.shard.grad, op="sum")
 
     # ---- the step ----------------------------------------------------------------------
 
     def _untouched(self) -> dict:
         """{shard: shard-local ranges} of parameters that got no gradient on ANY rank."""
-        had = torch.tensor([h for st in self._states for h in st.had], dtype=torch.uint8)
-        if len(had):
-            self.world.host.allreduce(had, op="max")
+        had = torch.tensor([h for st in self._states for h in st.had], dtype=torch.uint8,
+                           device=self.comm.device)
+        if len(had):  # over every rank holding the same units: shards, replicas, partials
+            for c in [self.comm, self.replicate, *self.partial]:
+                if c is not None and c.size > 1:
+                    c.allreduce(had, op="max")
+            k = 0
+            for st in self._states:  # a tied copy: also over the stages holding one
+                n = len(st.had)
+                for c in st.partial:
+                    sub = had[k:k + n].clone()
+                    c.allreduce(sub, op="max")
+                    had[k:k + n] = sub
+                k += n
         flags, out, k = had.tolist(), {}, 0
         for st in self._states:
             n = len(st.unit.slots)
@@ -193,10 +254,23 @@ class ShardedModel(Parallelized):
         """Sum per-rank numbers over one copy of the shards (the shard group)."""
         return self.comm.allreduce_scalars(values) if self.comm.size > 1 else values
 
+    def _norm_sum(self, values: list[float]) -> list[float]:
+        """Sum per-rank numbers over the groups holding different parameters (stages)."""
+        for c in self.norm_comms:
+            values = c.allreduce_scalars(values)
+        return values
+
     def _grad_norm(self) -> float:
-        sq = sum(float(u.shard.grad.detach().double().pow(2).sum()) for u in self.units
-                 if u.shard.grad is not None)
-        return math.sqrt(self._shard_sum([sq])[0])
+        sq = sum(float(st.unit.shard.grad.detach().double().pow(2).sum()) for st in self._states
+                 if st.counted and st.unit.shard.grad is not None)
+        return math.sqrt(self._norm_sum(self._shard_sum([sq]))[0])
+
+    def buffer_norm(self) -> float:
+        """Global L2 norm of the floating buffers (summed over stages); collective."""
+        with torch.no_grad():
+            sq = sum(float(b.detach().double().pow(2).sum()) for b in self.model.buffers()
+                     if b.is_floating_point())
+        return math.sqrt(self._agree(self._norm_sum([sq])[0]))
 
     def _clip(self, max_norm: float) -> float:
         norm = self._grad_norm()
@@ -275,9 +349,11 @@ class ShardedModel(Parallelized):
             if id(t) in slot_of:
                 u, s = slot_of[id(t)]
                 elems, view = u.shard_view(s)
-                entries.append(self._shard_entry(f"model/{key}", s.shape, view, elems))
+                entries.append(self._shard_entry(f"model/{self.name_of(key)}", s.shape, view,
+                                                 elems))
             else:
-                entries.append(Entry(f"model/{key}", tuple(t.shape), t.dtype, t.detach()))
+                entries.append(Entry(f"model/{self.name_of(key)}", tuple(t.shape), t.dtype,
+                                     t.detach()))
         for u in self.units:
             state = self.optimizer.state.get(u.shard, {})
             for s in u.slots:
@@ -286,7 +362,7 @@ class ShardedModel(Parallelized):
                 for k, v in sorted(state.items()):
                     if not torch.is_tensor(v):
                         continue
-                    name = f"optim/{s.name}/{k}"
+                    name = f"optim/{self.name_of(s.name)}/{k}"
                     if v.shape == u.shard.shape:
                         entries.append(self._shard_entry(name, s.shape,
                                                          v.detach()[start:start + (b - a)], (a, b)))
@@ -312,7 +388,7 @@ class ShardedModel(Parallelized):
                 if id(t) in seen:
                     continue
                 seen.add(id(t))
-                name = f"model/{key}"
+                name = f"model/{self.name_of(key)}"
                 if id(t) in slot_of:
                     u, s = slot_of[id(t)]
                     elems, view = u.shard_view(s)
@@ -329,7 +405,7 @@ class ShardedModel(Parallelized):
         if not self._optim_class_matches(reader):
             return
         for u in self.units:
-            state = read_shard_state(reader, u)
+            state = read_shard_state(reader, u, self.name_of)
             if state:
                 self.optimizer.state[u.shard] = state
         self._load_param_groups(reader)
@@ -350,10 +426,11 @@ class ShardedModel(Parallelized):
         """Global L2 norm of all parameters: shards summed over ranks, frozen ones once;
         collective."""
         with torch.no_grad():
-            sq = sum(float(u.shard.detach().double().pow(2).sum()) for u in self.units)
+            sq = sum(float(st.unit.shard.detach().double().pow(2).sum()) for st in self._states
+                     if st.counted)
             sq = self._shard_sum([sq])[0]
             sq += sum(float(p.detach().double().pow(2).sum()) for _, p in self.frozen)
-        return math.sqrt(self._agree(sq))
+        return math.sqrt(self._agree(self._norm_sum([sq])[0]))
 
     def memory_report(self) -> dict:
         """Bytes this rank holds for trainable params and optimizer state, the gradients alive
