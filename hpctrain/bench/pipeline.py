@@ -114,14 +114,15 @@ def _hpctrain(sub, schedule, p, m, v, make_model, width, micro, steps, warmup, w
               p2p="eager"):
     """Per wait policy: measured bubble and overhead per stage, median step time, and the
     breakdown (rank 0). The policies take turns step by step, so they share the load."""
-    from hpctrain.parallel.pipeline import PipelineOptions, wrap
+    from hpctrain.parallel import wrap
+    from hpctrain.parallel.pipeline import PipelineOptions
     from hpctrain.train.precision import Precision
 
     stack, loss = make_model()
     opts = PipelineOptions(mesh=f"pp={p},dp=1", schedule=schedule, microbatches=m,
                            virtual_stages=v, p2p=p2p)
     with contextlib.redirect_stdout(io.StringIO()):
-        par = wrap(stack, lambda ps: torch.optim.SGD(ps, lr=1e-4), sub, opts)
+        par = wrap("pipeline", stack, lambda ps: torch.optim.SGD(ps, lr=1e-4), sub, opts)
     prec = Precision("fp32", torch.device("cpu"))
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(m * micro, width, generator=g), torch.randn(m * micro, width, generator=g)

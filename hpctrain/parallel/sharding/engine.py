@@ -99,6 +99,14 @@ class ShardedModel(Parallelized):
                         for u, sp in zip(units, specs)]
         self._micro = 0
         self._final = True
+        # The one order in which every rank reduces units: backward's usual order (the last
+        # block's first, the root, holding embeddings, last). A hook reduces a complete unit
+        # only when every unit before it in this order is reduced, and the step reduces the
+        # rest in the same order, so ranks whose graphs differ (a branch taken on some ranks
+        # only) still issue the same collectives in the same order: no deadlock, no mismatch.
+        n = len(units)
+        self._order = list(range(n - 2, -1, -1)) + [n - 1] if n > 1 else list(range(n))
+        self._next = 0  # position in _order of the next unit to reduce in this backward
         self._peak_transient = 0
         self._grad_bytes = 0
         super().__init__(model, make_optimizer([u.shard for u in units]), world.host)
@@ -119,6 +127,7 @@ class ShardedModel(Parallelized):
         """Accumulate gradients of loss; on a step's last micro-batch reduce them per unit
         (collective)."""
         self._final = self._micro + 1 >= self.plan.grad_accum
+        self._next = 0
         for st in self._states:
             st.arrived = set()
         loss.backward()
@@ -138,9 +147,19 @@ class ShardedModel(Parallelized):
             if self.plan.on_demand:
                 st.unit.free()
             if self._final:  # non-final micro-batches accumulate locally: no communication
-                self._reduce(st)
-                st.reduced = True
+                self._reduce_ready()
             release_free_heap()  # the activations freed so far: before the next unit's peak
+
+    def _reduce_ready(self) -> None:
+        """Reduce, in the fixed order, every unit that is complete and whose predecessors
+        are reduced (collective; the same sequence on every rank, see ``_order``)."""
+        while self._next < len(self._order):
+            st = self._states[self._order[self._next]]
+            if len(st.arrived) != len(st.unit.slots):
+                return
+            self._reduce(st)
+            st.reduced = True
+            self._next += 1
 
     # ---- control by an executor (plan.hook_reduce False: the pipeline's schedule) ----------
 
@@ -193,7 +212,7 @@ class ShardedModel(Parallelized):
         # parameter that got no gradient in the last backward (or leftovers of earlier
         # micro-batches). Whether a hook reduced a unit is the same on every rank: it was a
         # collective.
-        for st in self._states:
+        for st in (self._states[i] for i in self._order):
             u = st.unit
             if self.plan.persistent_grads:
                 u.reduce_grad_buffer(st.grad_buf, self.comm)
@@ -216,8 +235,9 @@ class ShardedModel(Parallelized):
 
     # ---- the step ----------------------------------------------------------------------
 
-    def _untouched(self) -> dict:
-        """{shard: shard-local ranges} of parameters that got no gradient on ANY rank."""
+    def _untouched(self) -> tuple[dict, list]:
+        """({shard: shard-local ranges} of parameters that got no gradient on ANY rank, the
+        shards of units none of whose parameters got one)."""
         had = torch.tensor([h for st in self._states for h in st.had], dtype=torch.uint8,
                            device=self.comm.device)
         if len(had):  # over every rank holding the same units: shards, replicas, partials
@@ -232,13 +252,16 @@ class ShardedModel(Parallelized):
                     c.allreduce(sub, op="max")
                     had[k:k + n] = sub
                 k += n
-        flags, out, k = had.tolist(), {}, 0
+        flags, out, whole, k = had.tolist(), {}, [], 0
         for st in self._states:
             n = len(st.unit.slots)
             idle = [s for s, f in zip(st.unit.slots, flags[k:k + n]) if not f]
-            out[st.unit.shard] = st.unit.owned_ranges(idle)
+            if len(idle) == n:
+                whole.append(st.unit.shard)
+            else:
+                out[st.unit.shard] = st.unit.owned_ranges(idle)
             k += n
-        return out
+        return out, whole
 
     def _agree_on_inf(self, scaler) -> None:
         # Each rank unscaled only its shard; an inf in another rank's shard must skip the
@@ -293,12 +316,16 @@ class ShardedModel(Parallelized):
         """Reduce-scatter gradients, unscale/clip over shards, step the shards, re-gather
         (collective)."""
         self._sync_grads()
-        untouched = self._untouched()
+        untouched, idle_shards = self._untouched()
         if scaler is not None:
             scaler.unscale_(self.optimizer)
             self._agree_on_inf(scaler)
         if max_grad_norm > 0:
             self._clip(max_grad_norm)
+        # A unit no rank used this step is skipped by the optimizer, as one process skips a
+        # parameter without .grad: no weight decay, no new state, Adam's step count kept.
+        for shard in idle_shards:
+            shard.grad = None
         with preserve_elements(self.optimizer, untouched):
             self._optimizer_step(scaler)
         # Measured, not assumed: every gradient tensor alive at the step.
