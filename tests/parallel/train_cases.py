@@ -1,9 +1,11 @@
 """Run many ``hpctrain train`` command lines per launch (tests/parallel/train_worker.py).
 
-A step is {"id", "world", "argv" | "script", "env"?, "after"?}: ``world`` None is one plain process
-(as ``run_single``), an int is ``mpirun -n world`` (as ``run_mpi``); ``argv`` are the flags
-after ``train`` (a leading ``-m hpctrain train`` is dropped); ``after`` names steps that
-must have finished first (a checkpoint written by one world size, resumed by another).
+A step is {"id", "world", "argv" | "script", "env"?, "after"?}: ``world`` None is one plain
+process (as ``run_single``), an int is ``mpirun -n world`` (as ``run_mpi``); ``argv`` are the
+flags after ``train`` (a leading ``-m hpctrain train`` is dropped), ``script`` a worker
+script run in the same process instead; ``env`` is set for that step only; ``after`` names
+steps that must have finished first (a checkpoint written by one world size, resumed by
+another).
 """
 
 from __future__ import annotations

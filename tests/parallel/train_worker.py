@@ -81,7 +81,6 @@ def run_case(world, case: dict, scratch: str) -> dict:
     if "script" in case:
         return run_script(world, case)
     argv = list(case["argv"])
-    summary = None
     if "--summary" in argv:
         summary = argv[argv.index("--summary") + 1]
     else:
