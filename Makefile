@@ -3,7 +3,7 @@ VENV ?= $(CURDIR)/.venv
 PY := $(VENV)/bin/python
 NP ?= 2
 
-.PHONY: setup run run-mpi test doctor clean
+.PHONY: setup run run-mpi test test-fast doctor clean
 
 setup:
 	HPCTRAIN_VENV=$(VENV) bash modules/install.sh
@@ -17,6 +17,10 @@ run-mpi: setup
 
 test: setup
 	$(PY) -m pytest -q tests
+
+# The edit loop: every test that needs no mpirun and no SLURM (markers in pyproject.toml).
+test-fast: setup
+	$(PY) -m pytest -q -m "not mpi and not slurm" tests
 
 doctor: setup
 	$(PY) -m hpctrain doctor

@@ -2,12 +2,17 @@
 
     python -m tests.checkpoint.elem_worker write PATH [--block-bytes B] [--gap]
     python -m tests.checkpoint.elem_worker read PATH
-Prints "rank R: OK" per rank, or "rank R: <error>" and exits 3.
+    python -m tests.checkpoint.elem_worker batch OPS.json
+Prints "rank R: OK" per rank, or "rank R: <error>" and exits 3. ``batch`` runs many
+operations in this one process, each [mode, path, block_bytes, env] (env set for it only),
+and prints "rank R: OK N" after the N-th; it stops at the first error, as one op would.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 
 import numpy as np
@@ -90,23 +95,51 @@ def check_read(path: str, rank: int, world: int, comm) -> None:
         r.check(comm)
 
 
+DEFAULT_BLOCK_BYTES = layout.BLOCK_BYTES
+
+
+def run(mode: str, path: str, block_bytes: int, gap: bool, comm) -> None:
+    rank, world = comm.Get_rank(), comm.Get_size()
+    # many blocks, cut by the ranges (0: the default)
+    layout.BLOCK_BYTES = block_bytes or DEFAULT_BLOCK_BYTES
+    if mode == "write":
+        write_entries(path, entries(rank, world, gap), {"world_size": np.int64(world)}, comm)
+    else:
+        check_read(path, rank, world, comm)
+
+
+def batch(ops_path: str, comm) -> None:
+    with open(ops_path) as f:
+        ops = json.load(f)
+    for i, (mode, path, block_bytes, env) in enumerate(ops):
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            run(mode, path, block_bytes, False, comm)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        comm.Barrier()
+        print(f"rank {comm.Get_rank()}: OK {i}", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["write", "read"])
+    p.add_argument("mode", choices=["write", "read", "batch"])
     p.add_argument("path")
     p.add_argument("--block-bytes", type=int, default=0)
     p.add_argument("--gap", action="store_true")
     a = p.parse_args()
     comm = MPI.COMM_WORLD
-    rank, world = comm.Get_rank(), comm.Get_size()
-    if a.block_bytes:
-        layout.BLOCK_BYTES = a.block_bytes  # many blocks, cut by the ranges
+    rank = comm.Get_rank()
     try:
-        if a.mode == "write":
-            write_entries(a.path, entries(rank, world, a.gap), {"world_size": np.int64(world)},
-                          comm)
+        if a.mode == "batch":
+            batch(a.path, comm)
         else:
-            check_read(a.path, rank, world, comm)
+            run(a.mode, a.path, a.block_bytes, a.gap, comm)
     except (CheckpointError, ValueError) as exc:
         print(f"rank {rank}: {exc}", flush=True)
         return 3

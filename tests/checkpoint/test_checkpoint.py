@@ -1,4 +1,11 @@
-"""Parallel HDF5 checkpoints under real mpirun: resume, reshard, crash, corruption, fallback."""
+"""Parallel HDF5 checkpoints under real mpirun: resume, reshard, crash, corruption, fallback.
+
+Resume, reshard and the serial fallback run their command lines many per process
+(tests/parallel/train_worker.py runs each through hpctrain's CLI code in-process; a
+checkpoint written at one world size is resumed in a later launch at another), and so do the
+plain runs that write the checkpoints the other tests damage. Crashes, corrupt files and
+errors, whose exit codes and error lines are the point, run as real ``python -m hpctrain``
+launches."""
 
 import json
 import os
@@ -10,6 +17,7 @@ import pytest
 
 from hpctrain.checkpoint.meta import seal
 from tests.mpirun import run_mpi, run_single
+from tests.parallel.train_cases import run_steps
 
 pytestmark = pytest.mark.mpi
 
@@ -40,38 +48,114 @@ RESHARD = [(("ddp", 4), ("ddp", 2), "adamw"), (("ddp", 2), ("ddp", 4), "adamw"),
            (("ddp", 3), ("ddp", 2), "adamw"), (("ddp", 2), ("single", 1), "sgd")]
 
 
+SERIAL = [(2, 2), (2, 3)]  # (write world, read world): per-rank files and a virtual master
+FORCE_SERIAL = {"HPCTRAIN_CKPT_FORCE_SERIAL": "1"}
+
+
+# The runs before a real CLI launch whose exit code and error lines are checked:
+# name -> (world, strategy, optimizer, steps, flags with {d} the checkpoint directory).
+CRASH_FLAGS = ["--checkpoint-dir", "{d}", "--checkpoint-every", "5", "--keep", "2"]
+SKIPS_FLAGS = ["--checkpoint-dir", "{d}", "--checkpoint-every", "3", "--keep", "0"]
+PREP = {
+    "crash-straight": (2, "ddp", "adamw", 10, []),
+    "crash": (2, "ddp", "adamw", 5, CRASH_FLAGS),
+    "corrupt": (2, "ddp", "adamw", 3, ["--checkpoint-dir", "{d}"]),
+    "skips": (2, "ddp", "adamw", 6, SKIPS_FLAGS),
+    "wrong-shape": (1, "single", "sgd", 2, ["--checkpoint-dir", "{d}"]),
+    "missing": (1, "single", "adamw", 2, ["--checkpoint-dir", "{d}"]),
+    "h5ls": (2, "ddp", "adamw", 6, ["--checkpoint-dir", "{d}", "--checkpoint-every", "2",
+                                    "--keep", "2"]),
+}
+
+
 def _ident(c):
     return f"{c[0][0]}{c[0][1]}-{c[1][0]}{c[1][1]}-{c[2]}"
 
 
-def _resume_case(tmp_path, before, after, opt, rtol):
-    d = tmp_path / "ck"
-    _run(after[1], after[0], opt, 20, tmp_path / "straight.json")
-    _run(before[1], before[0], opt, 10, tmp_path / "a.json", ["--checkpoint-dir", str(d)])
+def _train_args(strategy, opt, steps, extra=()):
+    return COMMON + OPTS[opt] + ["--steps", str(steps), "--strategy", strategy] + list(extra)
+
+
+def _where(strategy, world):
+    return None if strategy == "single" else world  # single: a plain process, as _run does
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """For every RESUME and RESHARD case: the straight 20-step run, the 10-step run that
+    checkpoints, and the run that resumes it (a checkpoint directory per case); the same
+    for the SERIAL round trips (8 steps, the checkpoint written in per-rank files); and the
+    PREP runs that the real CLI launches below start from."""
+    tmp = tmp_path_factory.mktemp("resume")
+    steps, straight = [], {}
+    for before, after, opt in RESUME + RESHARD:
+        key = (after, opt)
+        if key not in straight:  # the same command line: run once
+            straight[key] = f"straight-{after[0]}{after[1]}-{opt}"
+            steps.append({"id": straight[key], "world": _where(*after),
+                          "argv": _train_args(after[0], opt, 20)})
+    for case in RESUME + RESHARD:
+        before, after, opt = case
+        d = tmp / _ident(case) / "ck"
+        steps.append({"id": f"{_ident(case)}-a", "world": _where(*before),
+                      "argv": _train_args(before[0], opt, 10,
+                                          ["--checkpoint-dir", str(d)])})
+        steps.append({"id": f"{_ident(case)}-b", "world": _where(*after),
+                      "after": [f"{_ident(case)}-a"],
+                      "argv": _train_args(after[0], opt, 20,
+                                          ["--checkpoint-dir", str(d), "--resume", "auto"])})
+    for worlds in SERIAL:  # test_serial_fallback_round_trips
+        d, name = tmp / f"serial-{worlds}" / "ck", f"serial-{worlds[0]}-{worlds[1]}"
+        steps.append({"id": f"{name}-straight", "world": worlds[1],
+                      "argv": _train_args("ddp", "adamw", 8)})
+        steps.append({"id": f"{name}-a", "world": worlds[0], "env": FORCE_SERIAL,
+                      "argv": _train_args("ddp", "adamw", 4, ["--checkpoint-dir", str(d)])})
+        steps.append({"id": f"{name}-b", "world": worlds[1], "after": [f"{name}-a"],
+                      "argv": _train_args("ddp", "adamw", 8,
+                                          ["--checkpoint-dir", str(d), "--resume", "auto"])})
+    for name, (world, strategy, opt, n, flags) in PREP.items():
+        flags = [f.format(d=tmp / name / "ck") for f in flags]
+        steps.append({"id": name, "world": _where(strategy, world),
+                      "argv": _train_args(strategy, opt, n, flags)})
+    results = run_steps(tmp, steps, order=[None, 4, 2, 3, 1])
+    out = {case: (tmp / _ident(case) / "ck", results[f"{_ident(case)}-a"],
+                  results[f"{_ident(case)}-b"], results[straight[(case[1], case[2])]])
+           for case in RESUME + RESHARD}
+    for worlds in SERIAL:
+        name = f"serial-{worlds[0]}-{worlds[1]}"
+        out[worlds] = (tmp / f"serial-{worlds}" / "ck",
+                       *(results[f"{name}-{k}"] for k in ("a", "b", "straight")))
+    for name in PREP:
+        assert results[name]["rc"] == 0, results[name]["stderr"]
+        out[name] = (tmp / name / "ck", results[name]["summary"])
+    return out
+
+
+def _resume_case(resumed, case, rtol):
+    d, a, got, ref = resumed[case]
+    assert a["rc"] == 0 and got["rc"] == 0 and ref["rc"] == 0, a["stderr"] + got["stderr"]
     assert (d / "ckpt-000010.h5").exists()
-    _run(after[1], after[0], opt, 20, tmp_path / "b.json",
-         ["--checkpoint-dir", str(d), "--resume", "auto"])
-    got, ref = _losses(tmp_path / "b.json"), _losses(tmp_path / "straight.json")
+    assert f"checkpoint written: {d / 'ckpt-000010.h5'}" in a["stdout"]
+    got, ref = got["summary"]["losses"], ref["summary"]["losses"]
     assert len(got) == 20
     np.testing.assert_allclose(got, ref, rtol=rtol, atol=0)
 
 
 @pytest.mark.parametrize("case", RESUME, ids=_ident)
-def test_resume_continues_trajectory(tmp_path, case):
-    _resume_case(tmp_path, *case, rtol=1e-6)
+def test_resume_continues_trajectory(resumed, case):
+    _resume_case(resumed, case, rtol=1e-6)
 
 
 @pytest.mark.parametrize("case", RESHARD, ids=_ident)
-def test_reshard_continues_trajectory(tmp_path, case):
+def test_reshard_continues_trajectory(resumed, case):
     # Different world sizes sum gradients in a different order: the ddp-equivalence tolerance.
-    _resume_case(tmp_path, *case, rtol=1e-5)
+    _resume_case(resumed, case, rtol=1e-5)
 
 
-def test_crash_during_save_keeps_previous(tmp_path):
-    d = tmp_path / "ck"
-    flags = ["--checkpoint-dir", str(d), "--checkpoint-every", "5", "--keep", "2"]
-    _run(2, "ddp", "adamw", 10, tmp_path / "straight.json")
-    _run(2, "ddp", "adamw", 5, tmp_path / "a.json", flags)
+def test_crash_during_save_keeps_previous(resumed, tmp_path):
+    d, _ = resumed["crash"]
+    flags = [f.format(d=d) for f in CRASH_FLAGS]
+    straight = resumed["crash-straight"][1]["losses"]
     proc = _run(2, "ddp", "adamw", 10, tmp_path / "b.json", flags + ["--resume", "auto"],
                 env={"HPCTRAIN_CKPT_FAULT": "1:3"}, check=False)
     assert proc.returncode != 0
@@ -81,13 +165,11 @@ def test_crash_during_save_keeps_previous(tmp_path):
     assert "resumed from" in proc.stdout and "ckpt-000005.h5" in proc.stdout
     assert f"removed {d / 'ckpt-000010.h5.tmp'}" in proc.stderr
     assert sorted(p.name for p in d.iterdir()) == ["ckpt-000005.h5", "ckpt-000010.h5", "latest"]
-    np.testing.assert_allclose(_losses(tmp_path / "c.json"), _losses(tmp_path / "straight.json"),
-                               rtol=1e-6)
+    np.testing.assert_allclose(_losses(tmp_path / "c.json"), straight, rtol=1e-6)
 
 
-def test_corrupt_dataset_named_once_for_every_rank(tmp_path):
-    d = tmp_path / "ck"
-    _run(2, "ddp", "adamw", 3, tmp_path / "a.json", ["--checkpoint-dir", str(d)])
+def test_corrupt_dataset_named_once_for_every_rank(resumed, tmp_path):
+    d, _ = resumed["corrupt"]
     with h5py.File(d / "ckpt-000003.h5", "r+") as f:
         w = f["model/stem.weight"]
         w[0, 0] = w[0, 0] + 1.0  # the data changes, its checksum attribute does not
@@ -101,19 +183,17 @@ def test_corrupt_dataset_named_once_for_every_rank(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_auto_resume_skips_corrupt_newest(tmp_path):
+def test_auto_resume_skips_corrupt_newest(resumed, tmp_path):
     # A requeued job whose newest checkpoint is damaged goes on from the one before it.
-    d = tmp_path / "ck"
-    flags = ["--checkpoint-dir", str(d), "--checkpoint-every", "3", "--keep", "0"]
-    _run(2, "ddp", "adamw", 6, tmp_path / "a.json", flags)
+    d, a = resumed["skips"]
+    flags = [f.format(d=d) for f in SKIPS_FLAGS]
     with h5py.File(d / "ckpt-000006.h5", "r+") as f:
         f["optim/stem.weight/exp_avg"][0, 0] += 1.0
     proc = _run(2, "ddp", "adamw", 6, tmp_path / "b.json", flags + ["--resume", "auto"])
     assert proc.stderr.count(f"--resume auto skips checkpoint {d / 'ckpt-000006.h5'}: dataset "
                              f"'optim/stem.weight/exp_avg' fails its checksum") == 1
     assert f"resumed from {d / 'ckpt-000003.h5'} at step 3" in proc.stdout
-    np.testing.assert_allclose(_losses(tmp_path / "b.json"), _losses(tmp_path / "a.json"),
-                               rtol=1e-6)
+    np.testing.assert_allclose(_losses(tmp_path / "b.json"), a["losses"], rtol=1e-6)
     # Named explicitly, a damaged file still stops the run.
     with h5py.File(d / "ckpt-000006.h5", "r+") as f:
         f["model/stem.weight"][0, 0] += 1.0
@@ -133,9 +213,8 @@ def test_disk_full_fails_every_rank_and_leaves_nothing(tmp_path):
     assert "Traceback" not in proc.stderr and os.listdir(d) == []
 
 
-def test_wrong_shape_named(tmp_path):
-    d = tmp_path / "ck"
-    _run(1, "single", "sgd", 2, tmp_path / "a.json", ["--checkpoint-dir", str(d)])
+def test_wrong_shape_named(resumed, tmp_path):
+    d, _ = resumed["wrong-shape"]
     proc = _run(2, "ddp", "sgd", 4, tmp_path / "b.json",
                 ["--checkpoint-dir", str(d), "--resume", "auto",
                  "--set", "train.model_options={hidden=64}"], check=False)
@@ -143,9 +222,8 @@ def test_wrong_shape_named(tmp_path):
     assert "'model/" in proc.stderr and ("(64," in proc.stderr or "64)" in proc.stderr)
 
 
-def test_missing_dataset_named(tmp_path):
-    d = tmp_path / "ck"
-    _run(1, "single", "adamw", 2, tmp_path / "a.json", ["--checkpoint-dir", str(d)])
+def test_missing_dataset_named(resumed, tmp_path):
+    d, _ = resumed["missing"]
     with h5py.File(d / "ckpt-000002.h5", "r+") as f:
         del f["model/head.bias"]
         seal(f)  # as if written for a model without it (not a damaged file)
@@ -154,27 +232,20 @@ def test_missing_dataset_named(tmp_path):
     assert proc.returncode != 0 and "'model/head.bias' is missing" in proc.stderr
 
 
-@pytest.mark.parametrize("worlds", [(2, 2), (2, 3)])
-def test_serial_fallback_round_trips(tmp_path, worlds):
-    d = tmp_path / "ck"
-    env = {"HPCTRAIN_CKPT_FORCE_SERIAL": "1"}
-    _run(worlds[1], "ddp", "adamw", 8, tmp_path / "straight.json")
-    proc = _run(worlds[0], "ddp", "adamw", 4, tmp_path / "a.json", ["--checkpoint-dir", str(d)],
-                env=env)
-    assert "one file per rank" in proc.stderr
+@pytest.mark.parametrize("worlds", SERIAL)
+def test_serial_fallback_round_trips(resumed, worlds):
+    d, a, b, straight = resumed[worlds]
+    for run in (a, b, straight):
+        assert run["rc"] == 0, run["stderr"]
+    assert "one file per rank" in a["stderr"]
     assert (d / "ckpt-000004.h5.parts").is_dir()
     with h5py.File(d / "ckpt-000004.h5") as f:
         assert f.attrs["layout"] == "virtual" and f["model/stem.weight"].is_virtual
-    _run(worlds[1], "ddp", "adamw", 8, tmp_path / "b.json",
-         ["--checkpoint-dir", str(d), "--resume", "auto"])
-    np.testing.assert_allclose(_losses(tmp_path / "b.json"), _losses(tmp_path / "straight.json"),
-                               rtol=1e-5)
+    np.testing.assert_allclose(b["summary"]["losses"], straight["summary"]["losses"], rtol=1e-5)
 
 
-def test_h5ls_inspect_export_keep(tmp_path):
-    d = tmp_path / "ck"
-    _run(2, "ddp", "adamw", 6, tmp_path / "a.json",
-         ["--checkpoint-dir", str(d), "--checkpoint-every", "2", "--keep", "2"])
+def test_h5ls_inspect_export_keep(resumed, tmp_path):
+    d, _ = resumed["h5ls"]
     names = sorted(p.name for p in d.iterdir())
     assert names == ["ckpt-000004.h5", "ckpt-000006.h5", "latest"]
     assert (d / "latest").read_text().strip() == "ckpt-000006.h5"

@@ -1,5 +1,11 @@
-"""Flat element-range shards (ZeRO/FSDP): written at N ranks, read at M, checksums, fallback."""
+"""Flat element-range shards (ZeRO/FSDP): written at N ranks, read at M, checksums, fallback.
 
+The round trips run many writes and reads per process (elem_worker's batch mode): one
+mpirun per world size and pass, a file written at N ranks read in a later launch at M.
+The corrupt and gapped files, whose error line on every rank is the point, get their own
+launches."""
+
+import json
 import os
 import random
 import zlib
@@ -65,26 +71,66 @@ def test_pieces_cut_anywhere_merge_to_whole_block_crcs():
 
 # (write world, read world, checksum block bytes; 0: the default 4 MiB, one block per tensor)
 CASES = [(4, 2, 64), (2, 4, 64), (3, 2, 64), (1, 4, 64), (3, 4, 0)]
+SERIAL = [(4, 3), (3, 1)]
+FORCE_SERIAL = {"HPCTRAIN_CKPT_FORCE_SERIAL": "1"}
+
+
+def _round_trips():
+    """(name, write world, read world, block bytes, write env) of every round trip."""
+    return ([(f"rt-{n}-{m}-{b}", n, m, b, {}) for n, m, b in CASES]
+            + [(f"serial-{n}-{m}", n, m, 64, FORCE_SERIAL) for n, m in SERIAL])
+
+
+@pytest.fixture(scope="module")
+def round_trips(tmp_path_factory):
+    """Write every file, check its layout, read it back: {name: (path, write ok, read ok)}.
+
+    Launches go by world size, writes first; a read waits for its file's write."""
+    tmp = tmp_path_factory.mktemp("elem")
+    trips = _round_trips()
+    ops = []  # (world, name, [mode, path, block, env])
+    for name, n, m, block, env in trips:
+        path = str(tmp / name / "ck.h5")
+        os.makedirs(os.path.dirname(path))
+        ops.append((n, f"{name}-write", ["write", path, block, env]))
+        ops.append((m, f"{name}-read", ["read", path, 0, {}]))
+    done, results, launch = set(), {}, 0
+    while len(done) < len(ops):
+        for world in (4, 3, 2, 1):
+            batch = [op for op in ops if op[0] == world and op[1] not in done
+                     and (op[1].endswith("-write") or op[1].replace("-read", "-write") in done)]
+            if not batch:
+                continue
+            launch += 1
+            ops_path = tmp / f"ops-{launch}.json"
+            ops_path.write_text(json.dumps([op[2] for op in batch]))
+            proc = _mpi(world, "batch", ops_path)
+            for i, (_, name, _) in enumerate(batch):
+                results[name] = all(f"rank {r}: OK {i}\n" in proc.stdout for r in range(world))
+                done.add(name)
+            _ok(proc, world)
+    return {name: (tmp / name / "ck.h5", results[f"{name}-write"], results[f"{name}-read"])
+            for name, *_ in trips}
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("n,m,block", CASES, ids=lambda c: str(c))
-def test_written_at_n_read_at_m(tmp_path, n, m, block):
-    path = tmp_path / "ck.h5"
-    _ok(_mpi(n, "write", path, "--block-bytes", block), n)
+def test_written_at_n_read_at_m(round_trips, n, m, block):
+    path, wrote, read = round_trips[f"rt-{n}-{m}-{block}"]
+    assert wrote
     with h5py.File(path) as f:
         assert f["flat/t3x5x11"].shape == (3, 5, 11) and f["flat/scalar"].shape == ()
-    _ok(_mpi(m, "read", path), m)
+    assert read
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("n,m", [(4, 3), (3, 1)])
-def test_serial_fallback_elems(tmp_path, n, m):
-    path = tmp_path / "ck.h5"
-    _ok(_mpi(n, "write", path, "--block-bytes", 64, env={"HPCTRAIN_CKPT_FORCE_SERIAL": "1"}), n)
+@pytest.mark.parametrize("n,m", SERIAL)
+def test_serial_fallback_elems(round_trips, n, m):
+    path, wrote, read = round_trips[f"serial-{n}-{m}"]
+    assert wrote
     with h5py.File(path) as f:
         assert f.attrs["layout"] == "virtual" and f["flat/m13x7"].is_virtual
-    _ok(_mpi(m, "read", path), m)
+    assert read
 
 
 @pytest.mark.mpi

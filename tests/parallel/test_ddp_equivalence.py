@@ -1,11 +1,16 @@
-"""Horovod DDP at 1, 2 and 4 ranks reproduces single-process training (fp32, rtol 1e-5)."""
+"""Horovod DDP at 1, 2 and 4 ranks reproduces single-process training (fp32, rtol 1e-5).
+
+The command lines run in one process per world size (tests/parallel/train_worker.py runs
+each through hpctrain's CLI code in-process): the references in one plain process, then one
+mpirun at 2 ranks and one at 4. The one-rank case is a real ``python -m hpctrain train``."""
 
 import json
 
 import numpy as np
 import pytest
 
-from tests.mpirun import run_mpi, run_single
+from tests.mpirun import run_mpi
+from tests.parallel.train_cases import run_steps
 
 pytestmark = pytest.mark.mpi
 
@@ -27,29 +32,37 @@ CASES = [
     ("tests.fixtures.awkward:factory_batchnorm", "adamw", 2, "0.003"),
 ]
 
-_reference = {}
+WORLDS = (2, 4)
 
 
-def _args(model, opt, accum, lr, summary):
-    return ["-m", "hpctrain", "train", "--model", model, "--optimizer", opt, "--grad-accum",
-            str(accum), "--lr", lr, "--summary", str(summary)] + COMMON
+def _args(model, opt, accum, lr):
+    return ["--model", model, "--optimizer", opt, "--grad-accum", str(accum), "--lr", lr
+            ] + COMMON
 
 
-def _single(tmp_path_factory, case):
-    if case not in _reference:
-        path = tmp_path_factory.mktemp("single") / "summary.json"
-        run_single(_args(*case, path))
-        _reference[case] = json.loads(path.read_text())
-    return _reference[case]
+def _ident(c):
+    return f"{c[0].split(':')[-1]}-{c[1]}-accum{c[2]}"
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0].split(':')[-1]}-{c[1]}-accum{c[2]}")
-def test_ddp_matches_single(tmp_path_factory, tmp_path, case, world):
-    ref = _single(tmp_path_factory, case)
-    path = tmp_path / "ddp.json"
-    run_mpi(world, _args(*case, path) + ["--strategy", "ddp"], timeout=240)
-    got = json.loads(path.read_text())
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    steps = [{"id": f"single-{_ident(c)}", "world": None, "argv": _args(*c)} for c in CASES]
+    steps += [{"id": f"ddp{n}-{_ident(c)}", "world": n, "argv": _args(*c) + ["--strategy", "ddp"]}
+              for n in WORLDS for c in CASES]
+    return run_steps(tmp_path_factory.mktemp("ddp"), steps)
+
+
+def _summary(results, cid):
+    got = results[cid]
+    assert got["rc"] == 0, got["stderr"]
+    return got["summary"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", CASES, ids=_ident)
+def test_ddp_matches_single(results, case, world):
+    ref = _summary(results, f"single-{_ident(case)}")
+    got = _summary(results, f"ddp{world}-{_ident(case)}")
     assert got["world_size"] == world and got["strategy"] == "ddp"
     assert len(got["losses"]) == 20
     np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5, atol=0)
@@ -59,9 +72,11 @@ def test_ddp_matches_single(tmp_path_factory, tmp_path, case, world):
         assert np.mean(ref["losses"][-5:]) < np.mean(ref["losses"][:5])
 
 
-def test_ddp_one_rank_matches_single(tmp_path_factory, tmp_path):
+def test_ddp_one_rank_matches_single(results, tmp_path):
+    # A real `python -m hpctrain train` under mpirun (the worker stands for it elsewhere).
     case = CASES[1]
-    ref = _single(tmp_path_factory, case)
+    ref = _summary(results, f"single-{_ident(case)}")
     path = tmp_path / "ddp1.json"
-    run_mpi(1, _args(*case, path) + ["--strategy", "ddp"], timeout=240)
+    run_mpi(1, ["-m", "hpctrain", "train", *_args(*case), "--strategy", "ddp", "--summary",
+                str(path)], timeout=240)
     np.testing.assert_allclose(json.loads(path.read_text())["losses"], ref["losses"], rtol=1e-5)

@@ -1,33 +1,24 @@
 """An fsdp checkpoint (element-range shards, one writer per replica group) resumes under zero3,
-single and ddp at other world sizes, and theirs resume under fsdp, on the same trajectory."""
+single and ddp at other world sizes, and theirs resume under fsdp, on the same trajectory.
 
-import json
+The command lines run many per process (tests/parallel/train_worker.py runs each through
+hpctrain's CLI code in-process); a checkpoint written at one world size is resumed in a later
+launch at another. Every mpirun launch pretends 2 ranks per node (HYBRID_SHARD at 4 ranks: 2 nodes),
+as --ranks-per-node 2 does for the fsdp command lines; the worker refuses a command line whose
+ranks per node differ from its process's."""
 
 import numpy as np
 import pytest
 
-from tests.mpirun import run_mpi, run_single
+from tests.parallel.train_cases import run_steps
 
 pytestmark = pytest.mark.mpi
 
-BASE = ["-m", "hpctrain", "train", "--model", "tests.fixtures.awkward:factory_batchnorm",
+BASE = ["--model", "tests.fixtures.awkward:factory_batchnorm",
         "--optimizer", "adamw", "--lr", "0.003", "--weight-decay", "0.01",
         "--global-batch-size", "14", "--progress", "off", "--out-dir", ""]
 FSDP = {sh: ["--strategy", "fsdp", "--sharding-strategy", sh, "--ranks-per-node", "2"]
         for sh in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")}
-
-_reference = {}
-
-
-def _train(tmp_path, name, steps, world, extra):
-    path = tmp_path / f"{name}.json"
-    args = BASE + ["--steps", str(steps), "--summary", str(path), *extra]
-    if world is None:
-        run_single(args)
-    else:
-        run_mpi(world, args, timeout=240)
-    return json.loads(path.read_text())
-
 
 # (save: world, flags), (resume: world, flags)
 CASES = {
@@ -40,16 +31,28 @@ CASES = {
 }
 
 
+def _step(cid, world, flags, steps, extra, after=()):
+    return {"id": cid, "world": world, "after": list(after),
+            "argv": BASE + ["--steps", str(steps), *flags, *extra]}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fsdp_ckpt")
+    steps = [_step("ref", None, [], 16, [])]
+    for name, (save, resume) in CASES.items():
+        ck = ["--checkpoint-dir", str(tmp / name / "ck")]
+        steps.append(_step(f"{name}-first", *save, 8, ck))
+        steps.append(_step(f"{name}-second", *resume, 16, ck + ["--resume", "auto"],
+                           after=[f"{name}-first"]))
+    return run_steps(tmp, steps, order=[None, 4, 2], mpi_env={"HPCTRAIN_RANKS_PER_NODE": "2"})
+
+
 @pytest.mark.parametrize("name", CASES)
-def test_fsdp_checkpoint_resumes_anywhere(tmp_path, name):
-    save, resume = CASES[name]
-    if "ref" not in _reference:
-        _reference["ref"] = _train(tmp_path, "ref", 16, None, [])
-    ref = _reference["ref"]
-    ck = tmp_path / "ck"
-    _train(tmp_path, "first", 8, save[0], [*save[1], "--checkpoint-dir", str(ck)])
-    got = _train(tmp_path, "second", 16, resume[0],
-                 [*resume[1], "--checkpoint-dir", str(ck), "--resume", "auto"])
+def test_fsdp_checkpoint_resumes_anywhere(results, name):
+    for cid in ("ref", f"{name}-first", f"{name}-second"):
+        assert results[cid]["rc"] == 0, results[cid]["stderr"]
+    ref, got = results["ref"]["summary"], results[f"{name}-second"]["summary"]
     np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5)
     np.testing.assert_allclose(got["param_norm"], ref["param_norm"], rtol=1e-5)
     np.testing.assert_allclose(got["buffer_norm"], ref["buffer_norm"], rtol=1e-5)

@@ -1,46 +1,50 @@
 """A ZeRO checkpoint (flat shards written as element ranges of the global tensors) resumes
-under another stage, another world size, and single-process training, on the same trajectory."""
+under another stage, another world size, and single-process training, on the same trajectory.
 
-import json
+The command lines run many per process (tests/parallel/train_worker.py runs each through
+hpctrain's CLI code in-process); a checkpoint written at one world size is resumed in a later
+launch at another."""
 
 import numpy as np
 import pytest
 
-from tests.mpirun import run_mpi, run_single
+from tests.parallel.train_cases import run_steps
 
 pytestmark = pytest.mark.mpi
 
-BASE = ["-m", "hpctrain", "train", "--model", "tests.fixtures.awkward:factory_batchnorm",
+BASE = ["--model", "tests.fixtures.awkward:factory_batchnorm",
         "--optimizer", "adamw", "--lr", "0.003", "--weight-decay", "0.01",
         "--global-batch-size", "14", "--progress", "off", "--out-dir", ""]
 
-
-_reference = {}
-
-
-def _train(tmp_path, name, steps, world=None, strategy="single", extra=()):
-    path = tmp_path / f"{name}.json"
-    args = BASE + ["--steps", str(steps), "--summary", str(path), "--strategy", strategy, *extra]
-    if world is None:
-        run_single(args)
-    else:
-        run_mpi(world, args, timeout=240)
-    return json.loads(path.read_text())
+CASES = {
+    "zero2x4-to-zero3x2": ((4, "zero2"), (2, "zero3")),
+    "zero3x2-to-single": ((2, "zero3"), (None, "single")),
+    "single-to-zero1x4": ((None, "single"), (4, "zero1")),
+}
 
 
-@pytest.mark.parametrize("save, resume", [
-    ((4, "zero2"), (2, "zero3")),
-    ((2, "zero3"), (None, "single")),
-    ((None, "single"), (4, "zero1")),
-], ids=["zero2x4-to-zero3x2", "zero3x2-to-single", "single-to-zero1x4"])
-def test_zero_checkpoint_resumes_anywhere(tmp_path, save, resume):
-    if "ref" not in _reference:
-        _reference["ref"] = _train(tmp_path, "ref", 16)
-    ref = _reference["ref"]
-    ck = tmp_path / "ck"
-    _train(tmp_path, "first", 8, save[0], save[1], ["--checkpoint-dir", str(ck)])
-    got = _train(tmp_path, "second", 16, resume[0], resume[1],
-                 ["--checkpoint-dir", str(ck), "--resume", "auto"])
+def _step(cid, world, strategy, steps, extra, after=()):
+    return {"id": cid, "world": world, "after": list(after),
+            "argv": BASE + ["--steps", str(steps), "--strategy", strategy, *extra]}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("zero_ckpt")
+    steps = [_step("ref", None, "single", 16, [])]
+    for name, (save, resume) in CASES.items():
+        ck = ["--checkpoint-dir", str(tmp / name / "ck")]
+        steps.append(_step(f"{name}-first", *save, 8, ck))
+        steps.append(_step(f"{name}-second", *resume, 16, ck + ["--resume", "auto"],
+                           after=[f"{name}-first"]))
+    return run_steps(tmp, steps, order=[None, 4, 2])
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_zero_checkpoint_resumes_anywhere(results, name):
+    for cid in ("ref", f"{name}-first", f"{name}-second"):
+        assert results[cid]["rc"] == 0, results[cid]["stderr"]
+    ref, got = results["ref"]["summary"], results[f"{name}-second"]["summary"]
     np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5)
     np.testing.assert_allclose(got["param_norm"], ref["param_norm"], rtol=1e-5)
     np.testing.assert_allclose(got["buffer_norm"], ref["buffer_norm"], rtol=1e-5)

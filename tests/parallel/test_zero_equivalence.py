@@ -1,11 +1,17 @@
-"""ZeRO stages 1-3 at 2 and 4 ranks reproduce single-process training (fp32, rtol 1e-5)."""
+"""ZeRO stages 1-3 at 2 and 4 ranks reproduce single-process training (fp32, rtol 1e-5).
+
+The command lines run in one process per world size (tests/parallel/train_worker.py runs
+each through hpctrain's CLI code in-process): the references in one plain process, then one
+mpirun at 2 ranks and one at 4. One case also runs as a real ``python -m hpctrain train``
+under mpirun, which must give the worker's numbers."""
 
 import json
 
 import numpy as np
 import pytest
 
-from tests.mpirun import run_mpi, run_single
+from tests.mpirun import run_mpi
+from tests.parallel.train_cases import run_steps
 
 pytestmark = pytest.mark.mpi
 
@@ -35,33 +41,53 @@ CASES = [
     (4, "zero3", "awkward_bn", "adamw", 2), (2, "zero3", "awkward_bn", "sgd", 1),
 ]
 
-_reference = {}
 
-
-def _args(model, opt, accum, summary):
+def _args(model, opt, accum):
     lr = LR.get((model.removesuffix("_bn"), opt), "0.003")
-    return ["-m", "hpctrain", "train", "--model", SPEC[model], "--optimizer", opt,
-            "--grad-accum", str(accum), "--lr", lr, "--summary", str(summary)] + COMMON
+    return ["--model", SPEC[model], "--optimizer", opt, "--grad-accum", str(accum), "--lr", lr
+            ] + COMMON
 
 
-def _single(tmp_path_factory, model, opt, accum):
-    key = (model, opt, accum)
-    if key not in _reference:
-        path = tmp_path_factory.mktemp("single") / "summary.json"
-        run_single(_args(model, opt, accum, path))
-        _reference[key] = json.loads(path.read_text())
-    return _reference[key]
+def _ident(case):
+    return "-".join(map(str, case))
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_zero_matches_single(tmp_path_factory, tmp_path, case):
-    world, strategy, model, opt, accum = case
-    ref = _single(tmp_path_factory, model, opt, accum)
-    path = tmp_path / "zero.json"
-    run_mpi(world, _args(model, opt, accum, path) + ["--strategy", strategy], timeout=240)
-    got = json.loads(path.read_text())
+def _ref_id(model, opt, accum):
+    return f"single-{model}-{opt}-{accum}"
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    steps = [{"id": _ref_id(*key), "world": None, "argv": _args(*key)}
+             for key in dict.fromkeys(c[2:] for c in CASES)]
+    steps += [{"id": _ident(c), "world": c[0], "argv": _args(*c[2:]) + ["--strategy", c[1]]}
+              for c in CASES]
+    return run_steps(tmp_path_factory.mktemp("zero"), steps)
+
+
+def _check(got, ref, world, strategy):
     assert got["world_size"] == world and got["strategy"] == strategy
     assert len(got["losses"]) == 20
     np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5, atol=0)
     np.testing.assert_allclose(got["param_norm"], ref["param_norm"], rtol=1e-5)
     np.testing.assert_allclose(got["buffer_norm"], ref["buffer_norm"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ident)
+def test_zero_matches_single(results, case):
+    world, strategy, model, opt, accum = case
+    got, ref = results[_ident(case)], results[_ref_id(model, opt, accum)]
+    assert got["rc"] == 0 and ref["rc"] == 0, got["stderr"] + ref["stderr"]
+    _check(got["summary"], ref["summary"], world, strategy)
+
+
+def test_real_cli_launch_matches_single_and_the_worker(results, tmp_path):
+    # The in-process worker stands for `python -m hpctrain train` under mpirun: prove it once.
+    case = (2, "zero3", "awkward_bn", "sgd", 1)
+    path = tmp_path / "zero.json"
+    run_mpi(2, ["-m", "hpctrain", "train", *_args(*case[2:]), "--strategy", case[1],
+                "--summary", str(path)], timeout=240)
+    got = json.loads(path.read_text())
+    _check(got, results[_ref_id(*case[2:])]["summary"], 2, "zero3")
+    worker = results[_ident(case)]["summary"]
+    assert got["losses"] == worker["losses"] and got["param_norm"] == worker["param_norm"]
