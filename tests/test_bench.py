@@ -8,6 +8,7 @@ import pytest
 from tests.mpirun import run_mpi
 
 
+@pytest.mark.mpi
 def test_bench_memory_prints_ratios():
     proc = run_mpi(2, ["-m", "hpctrain", "bench", "memory", "--params-m", "0.05", "--steps", "1",
                        "--strategies", "single,zero1,zero3,fsdp,fsdp2"], timeout=240)
@@ -66,6 +67,7 @@ def _check_step_report(out: str, data: dict, names) -> None:
         assert f"  step time {d['name']}: skipped, {d['reason']}" in out.splitlines(), out
 
 
+@pytest.mark.mpi
 def test_bench_step_baselines_ratios_and_json(tmp_path):
     # One entry per baseline and per targeted ratio: each entry is a fresh spawn (seconds);
     # zero1-3, fsdp and fsdp2 run through the same workload in test_bench_memory_prints_ratios.

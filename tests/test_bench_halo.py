@@ -2,7 +2,11 @@
 
 import re
 
+import pytest
+
 from tests.mpirun import run_mpi
+
+pytestmark = pytest.mark.mpi
 
 
 def test_bench_halo_prints_ratios():

@@ -163,6 +163,7 @@ _UNDER_MPIRUN = (
     "sys.stderr.write(f'rc {MPI.COMM_WORLD.Get_rank()} {rc}\\n')\n")
 
 
+@pytest.mark.mpi
 def test_doctor_under_mpirun():
     pytest.importorskip("mpi4py")
     proc = run_mpi(2, ["-c", _UNDER_MPIRUN], timeout=180)
