@@ -1,10 +1,11 @@
 """Run a command under a real ``mpirun`` (Open MPI, oversubscribed, as root if needed)."""
 
+import contextlib
 import os
 import subprocess
 import sys
 
-__all__ = ["mpi_env", "run_mpi", "run_single"]
+__all__ = ["mpi_env", "patched_env", "run_mpi", "run_single"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,3 +54,19 @@ def run_single(args, timeout=300, env=None, check=True, cwd=None):
             f"python {' '.join(args)} exited {proc.returncode}\n"
             f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}")
     return proc
+
+
+@contextlib.contextmanager
+def patched_env(env: dict):
+    """Set ``env`` in os.environ for the block, then put back what was there (in-process
+    workers run many cases, each with its own variables)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -27,12 +27,10 @@ from torch import nn
 
 from hpctrain.parallel.base import DPGroups, OptimizerFactory, Parallelized
 from hpctrain.parallel.flat_buffer import FlatUnit
-from hpctrain.parallel.sharding.engine import ShardedModel, ShardPlan, broadcast_state
+from hpctrain.parallel.sharding.engine import ShardedModel, ShardPlan, prepare_model
 from hpctrain.parallel.sharding.schedule import GatherSchedule, cast_floating_inputs
 from hpctrain.parallel.sharding.solo import SoloCommunicator
-from hpctrain.parallel.sync_batchnorm import convert_sync_batchnorm
-from hpctrain.parallel.units import WRAP_POLICIES, check_wrap_policy, partition_modules, \
-    rebind, wrapped_modules
+from hpctrain.parallel.units import WRAP_POLICIES, check_wrap_policy, wrapped_modules
 
 __all__ = ["FSDPOptions", "SHARDING_STRATEGIES", "WRAP_POLICIES", "BACKWARD_PREFETCH",
            "DTYPES", "wrap", "wrapped_modules"]
@@ -120,15 +118,7 @@ def wrap(model: nn.Module, make_optimizer: OptimizerFactory, world,
     opts = options or FSDPOptions()
     groups = groups or DPGroups.of_world(world)
     external = units is not None
-    wrapped = [] if external else wrapped_modules(model, opts)  # a bad policy fails here
-    model.to(world.device)
-    if opts.sync_batchnorm:  # batch statistics of the global batch, as in one process
-        model = convert_sync_batchnorm(model, groups.batch)
-    broadcast_state(model, groups.batch)
-    if external:
-        specs, frozen = units, [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
-    else:
-        specs, frozen = partition_modules(model, rebind(model, wrapped))
+    model, specs, frozen = prepare_model(model, world, opts, groups, units)
     shard_comm, replicate_comm = _groups(world, opts.sharding_strategy, groups.dp)
     param_dtype = DTYPES[opts.param_dtype]
     offload = opts.cpu_offload and world.device.type != "cpu"

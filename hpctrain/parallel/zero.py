@@ -11,8 +11,9 @@ size; rank r owns the r-th slice, and the optimizer steps only those shard param
 - stage 3: as 2, and the full parameters exist only around a unit's forward and backward.
 
 Gradients are SUMMED (the loop weights each micro-batch by its share of the global batch).
-Collectives run in the same order on every rank as long as every rank's autograd graph has
-the same structure (the same parameters used), which data parallel training gives.
+Gradient reductions run in one fixed unit order on every rank, whatever parameters each
+rank's graph used; zero3's gathers follow the modules that run, so under stage 3 every rank
+must run the same modules.
 """
 
 from __future__ import annotations
@@ -23,11 +24,9 @@ from torch import nn
 
 from hpctrain.parallel.base import DPGroups, OptimizerFactory, Parallelized
 from hpctrain.parallel.flat_buffer import FlatUnit
-from hpctrain.parallel.sharding.engine import ShardedModel, ShardPlan, broadcast_state
+from hpctrain.parallel.sharding.engine import ShardedModel, ShardPlan, prepare_model
 from hpctrain.parallel.sharding.schedule import GatherSchedule
-from hpctrain.parallel.sync_batchnorm import convert_sync_batchnorm
-from hpctrain.parallel.units import check_wrap_policy, partition_modules, rebind, \
-    wrapped_modules
+from hpctrain.parallel.units import check_wrap_policy
 
 __all__ = ["ZeroOptions", "options_for", "wrap"]
 
@@ -105,15 +104,7 @@ def wrap(model: nn.Module, make_optimizer: OptimizerFactory, world, options: Zer
     opts = options
     groups = groups or DPGroups.of_world(world)
     external = units is not None
-    wrapped = [] if external else wrapped_modules(model, opts)  # a bad policy fails here
-    model.to(world.device)
-    if opts.sync_batchnorm:  # batch statistics of the global batch, as in one process
-        model = convert_sync_batchnorm(model, groups.batch)
-    broadcast_state(model, groups.batch)
-    if external:
-        specs, frozen = units, [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
-    else:
-        specs, frozen = partition_modules(model, rebind(model, wrapped))
+    model, specs, frozen = prepare_model(model, world, opts, groups, units)
     flat = [FlatUnit(s.name, s.params, groups.dp, keep_full=opts.stage < 3) for s in specs]
     schedule = GatherSchedule(specs, flat) if opts.stage == 3 and not external else None
     if opts.stage == 3 and external:

@@ -6,7 +6,6 @@ import math
 import os
 import time
 
-import torch
 
 from hpctrain import checkpoint
 from hpctrain.config import Config

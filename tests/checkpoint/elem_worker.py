@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import numpy as np
@@ -23,6 +22,7 @@ from hpctrain.checkpoint import layout
 from hpctrain.checkpoint.layout import Entry
 from hpctrain.checkpoint.reader import CheckpointError, Reader
 from hpctrain.checkpoint.state import write_entries
+from tests.mpirun import patched_env
 
 # (name, shape, dtype): flat-sharded over one padded buffer, in this order.
 FLAT = [("flat/m13x7", (13, 7), torch.float32), ("flat/v29", (29,), torch.float64),
@@ -112,16 +112,8 @@ def batch(ops_path: str, comm) -> None:
     with open(ops_path) as f:
         ops = json.load(f)
     for i, (mode, path, block_bytes, env) in enumerate(ops):
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with patched_env(env):
             run(mode, path, block_bytes, False, comm)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         comm.Barrier()
         print(f"rank {comm.Get_rank()}: OK {i}", flush=True)
 

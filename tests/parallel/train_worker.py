@@ -32,6 +32,7 @@ from hpctrain import cli
 from hpctrain.checkpoint import serial_fallback
 from hpctrain.config import ConfigError, load_config
 from hpctrain.runtime.world import init_world, ranks_per_node_override
+from tests.mpirun import patched_env
 
 
 class _Tee(io.TextIOBase):
@@ -87,22 +88,12 @@ def run_case(world, case: dict, scratch: str) -> dict:
         summary = os.path.join(scratch, f"{case['id']}.json")
         argv += ["--summary", summary]
     _check_process_state(world, argv)
-    env = case.get("env", {})
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     out, err = _Tee(sys.stdout), _Tee(sys.stderr)
     serial_fallback._warned = False  # its once-per-process warning: once per case here
-    try:
-        # A fresh warnings registry: a warning shown by an earlier case is shown again.
-        with warnings.catch_warnings(), contextlib.redirect_stdout(out), \
-                contextlib.redirect_stderr(err):
-            rc = cli.main(["train", *argv])
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    # A fresh warnings registry: a warning shown by an earlier case is shown again.
+    with patched_env(case.get("env", {})), warnings.catch_warnings(), \
+            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli.main(["train", *argv])
     world.host.barrier()  # rank 0 wrote the summary before anyone reads or goes on
     got = None
     if world.rank == 0 and os.path.exists(summary):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections import deque
 
 import torch
 

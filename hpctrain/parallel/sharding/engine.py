@@ -15,8 +15,9 @@ Shared by zero (stages 1-3) and fsdp; a strategy picks the knobs (``ShardPlan``)
   same parameters, so the shards' gradients are summed over them too.
 
 Gradients are SUMMED (the loop weights each micro-batch by its share of the global batch).
-Collectives run in the same order on every rank as long as every rank's autograd graph has
-the same structure (the same parameters used), which data parallel training gives.
+Gradient reductions run in one fixed unit order on every rank, whatever parameters each
+rank's graph used; zero3's gathers follow the modules that run, so under stage 3 every rank
+must run the same modules.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from hpctrain.parallel.sharded_optim import preserve_elements
 from hpctrain.runtime.malloc import release_free_heap
 
 __all__ = ["ShardPlan", "ShardedModel", "broadcast_state", "nbytes", "read_shard_state",
-           "reduce_scatter_grads"]
+           "reduce_scatter_grads", "prepare_model"]
 
 # Gradient bytes packed for one reduce-scatter (all ranks' pieces together): bounds the
 # transient next to a unit's gradients; bigger pieces only save a few collective calls...
@@ -592,3 +593,23 @@ def broadcast_state(model: nn.Module, comm) -> None:
             if id(t) not in seen and t.numel():
                 seen.add(id(t))
                 comm.broadcast(t.detach(), root=0)
+
+
+def prepare_model(model: nn.Module, world, opts, groups, units=None):
+    """What zero and fsdp do before flattening: pick the units (the options' auto-wrap
+    policy, or ``units`` a model-parallel transform named), move the model to the device,
+    make BatchNorm global over ``groups.batch`` (opts.sync_batchnorm) and start every
+    replica from rank 0's values. Returns (model, unit specs, frozen (name, param) pairs)."""
+    from hpctrain.parallel.sync_batchnorm import convert_sync_batchnorm
+    from hpctrain.parallel.units import partition_modules, rebind, wrapped_modules
+
+    wrapped = [] if units is not None else wrapped_modules(model, opts)  # a bad policy fails here
+    model.to(world.device)
+    if opts.sync_batchnorm:  # batch statistics of the global batch, as in one process
+        model = convert_sync_batchnorm(model, groups.batch)
+    broadcast_state(model, groups.batch)
+    if units is not None:
+        frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+        return model, units, frozen
+    specs, frozen = partition_modules(model, rebind(model, wrapped))
+    return model, specs, frozen
