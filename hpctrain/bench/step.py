@@ -16,7 +16,8 @@ from hpctrain.bench.fresh import spawn
 
 __all__ = ["DEFAULT", "RATIOS", "Ratio", "ratios", "report", "run"]
 
-DEFAULT = ("nocomm", "torchddp", "ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp:NO_SHARD")
+DEFAULT = ("nocomm", "torchddp", "ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp:NO_SHARD",
+           "pp2:ddp", "pp2:zero3")
 
 
 @dataclass(frozen=True)

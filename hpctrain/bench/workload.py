@@ -1,7 +1,7 @@
 """One benchmark run in fresh processes: build a Linear stack, wrap it, train a few steps.
 
 What can be run is ``ENTRIES``: a name -> an ``Entry`` saying how to build it (hpctrain's
-strategies, torch DDP and FSDP2 over gloo, the no-communication floor).
+strategies, composed plans, torch DDP and FSDP2 over gloo, the no-communication floor).
 
 Started by ``fresh.spawn`` (``python -m hpctrain.bench.workload JSON``); returns peak RSS
 above the pre-model baseline, step times and (ZeRO) the strategy's memory_report().
@@ -9,6 +9,8 @@ above the pre-model baseline, step times and (ZeRO) the strategy's memory_report
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import socket
 import statistics
@@ -87,8 +89,7 @@ def _warm_up(strategy: str, world, batch: int) -> None:
                                   world)
     x = torch.randn(batch, width)
     for _ in range(2):
-        par.backward(par.model(x).square().mean())
-        par.step()
+        train_step(par, x)
     del par, x
     release_free_heap()
 
@@ -158,6 +159,33 @@ def _nothing(world) -> None:
     pass
 
 
+def _pipelined(flavour: str):
+    """A composed plan: pp=2 stages of the same Linear stack (as nn.Sequential), the dp
+    flavour over each stage's replicas (dp = world size / 2), 4 pipeline micro-batches."""
+    def build(model, make_optimizer, world):
+        from hpctrain.parallel import wrap
+        from hpctrain.parallel.pipeline import PipelineOptions
+
+        seq = nn.Sequential(*(nn.Sequential(b, nn.ReLU()) for b in model.blocks))
+        opts = PipelineOptions(mesh="pp=2", dp_sharding=flavour, microbatches=4)
+        with contextlib.redirect_stdout(io.StringIO()):  # the plan's log lines, per build
+            return wrap("pipeline", seq, make_optimizer, world, opts)
+    return build
+
+
+def train_step(par, x) -> None:
+    """One step on batch x (loss: mean square of the output) through the object's own path:
+    a plan with a pipeline runs its schedule (forward_backward), the others backward()."""
+    if getattr(par, "_executor", None) is not None:
+        from hpctrain.train.precision import Precision
+
+        par.forward_backward([(x, x, 1.0)], lambda out, _y: out.square().mean(),
+                             Precision("fp32", x.device))
+    else:
+        par.backward(par.model(x).square().mean())
+    par.step()
+
+
 def _destroy_gloo(world) -> None:
     import torch.distributed as dist
 
@@ -205,8 +233,8 @@ class Entry:
     ``memory`` names the per-rank formula (``formula_bytes``): "replicated" (16 psi), "zero1",
     "zero2" or "sharded" (16 psi / n + one gathered unit). ``role``: "dp" for hpctrain's own
     data-parallel flavours (compared with torch DDP), "torch" for torch's baselines, "floor"
-    for the no-communication floor, "single" for the 1-rank reference. A composed plan
-    (pp=2 x zero3, ...) is one more Entry whose build composes the wrappers.
+    for the no-communication floor, "single" for the 1-rank reference, "composed" for plans
+    of several parallelisms (pp=2 x a dp flavour), timed without a target yet.
     """
 
     name: str
@@ -232,6 +260,10 @@ def _entries() -> dict:
         Entry("fsdp:NO_SHARD", _ours("fsdp", _fsdp_options("NO_SHARD")), "replicated", "dp"),
         Entry("fsdp2", _FSDP2, "sharded", "torch", **gloo),
         Entry("torchddp", _TorchDDP, "replicated", "torch", **gloo),
+        # composed plans (timed for information: no target yet)
+        Entry("pp2:ddp", _pipelined("ddp"), "replicated", "composed"),
+        Entry("pp2:zero2", _pipelined("zero2"), "zero2", "composed"),
+        Entry("pp2:zero3", _pipelined("zero3"), "sharded", "composed"),
     ]
     return {e.name: e for e in out}
 
@@ -288,8 +320,7 @@ def measure(strategy: str, params_m: float = 20.0, width: int = 1024, batch: int
     for k in range(warmup + steps):
         world.mpi_comm.Barrier()
         t0 = time.perf_counter()
-        par.backward(par.model(x).square().mean())
-        par.step()
+        train_step(par, x)
         world.mpi_comm.Barrier()
         if k >= warmup:
             times.append(time.perf_counter() - t0)

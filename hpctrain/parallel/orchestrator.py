@@ -178,8 +178,8 @@ def _pipeline(plan, stack, make_optimizer, world, options, activation_checkpoint
     opts = replace(opts, mesh=plan.layout, dp_sharding=plan.flavour,
                    activation_checkpointing=activation_checkpointing or opts.activation_checkpointing)
     root, executor = prepare(stack, world, opts, plan.flavour)
-    _log(world, f"transform 1: pipeline: {plan.pp} stages ({_ranks(executor.pp)}), each "
-                f"layer's activations recomputed in backward: "
+    _log(world, f"transform 1: pipeline: {plan.pp} stages in each of {plan.dp} replicas; "
+                f"activation recompute per layer: "
                 f"{'on' if opts.activation_checkpointing else 'off'}")
     groups = DPGroups(executor.dp, (), executor.dp, norm=(executor.pp,))
     par = _flavour(plan, root, make_optimizer, world, options, groups,
