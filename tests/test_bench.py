@@ -116,11 +116,13 @@ def test_bench_step_strategy_spellings():
 
     parse = build_parser().parse_args
     assert parse(["bench", "step"]).strategies == DEFAULT == (
-        "nocomm", "torchddp", "ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp:NO_SHARD")
+        "nocomm", "torchddp", "ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp:NO_SHARD",
+        "pp2:ddp", "pp2:zero3")
     args = parse(["bench", "step", "--strategies", "ddp,fsdp:full_shard,fsdp:shard_grad_op,"
-                  "FSDP:NO_SHARD,fsdp2,torchddp,nocomm,zero1,zero2,zero3,fsdp", "--json", "x"])
+                  "FSDP:NO_SHARD,fsdp2,torchddp,nocomm,zero1,zero2,zero3,fsdp,PP2:zero2",
+                  "--json", "x"])
     assert args.strategies == ("ddp", "fsdp", "fsdp:SHARD_GRAD_OP", "fsdp:NO_SHARD", "fsdp2",
-                               "torchddp", "nocomm", "zero1", "zero2", "zero3")
+                               "torchddp", "nocomm", "zero1", "zero2", "zero3", "pp2:zero2")
     assert args.json_path == "x"
     for bad in ("fsdp:HALF_SHARD", ",", "torch", "ddp,zero4"):
         with pytest.raises(SystemExit):

@@ -287,6 +287,16 @@ class Parallelized:
         """{id(parameter): its full CPU value} for parameters sharded over ranks (none here)."""
         return {}
 
+    def memory_report(self) -> dict:
+        """Bytes this rank holds for parameters, gradients (now) and optimizer state (the
+        replicated flavours hold everything whole); local."""
+        from hpctrain.parallel.sharding.engine import nbytes
+
+        return {"strategy": self.name, "params": nbytes(list(self.model.parameters())),
+                "grads": nbytes([p.grad for p in self.model.parameters() if p.grad is not None]),
+                "optimizer": nbytes([v for st in self.optimizer.state.values()
+                                     for v in st.values() if torch.is_tensor(v)])}
+
 
 def _cpu_copy(t: torch.Tensor, copies: dict) -> torch.Tensor:
     """A detached CPU copy of t, the same one for every key of a tied tensor."""

@@ -38,6 +38,15 @@ class Composed:
         self._executor = executor
         self.name = name
 
+    _OWN = ("_inner", "_executor", "name")
+
+    def __setattr__(self, attr, value):
+        # Everything but its own three attributes lives on the flavour (e.g. job_comm).
+        if attr in self._OWN:
+            object.__setattr__(self, attr, value)
+        else:
+            setattr(self._inner, attr, value)
+
     def __getattr__(self, attr):
         try:
             return getattr(self._inner, attr)
