@@ -99,10 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     bs.add_argument("--batch", type=_positive_int, default=32, help="samples per rank")
     bs.add_argument("--strategies", type=_strategy_list,
-                    default="nocomm,torchddp,ddp,zero1,zero2,zero3,fsdp,fsdp:NO_SHARD",
+                    default="nocomm,torchddp,ddp,zero1,zero2,zero3,fsdp,fsdp:NO_SHARD,"
+                            "pp2:ddp,pp2:zero3",
                     help="comma-separated from ddp, zero1, zero2, zero3, fsdp (FULL_SHARD), "
-                         "fsdp:SHARD_GRAD_OP, fsdp:NO_SHARD, fsdp2 (torch FSDP2), torchddp "
-                         "(torch DDP), nocomm (no communication: the compute floor)")
+                         "fsdp:SHARD_GRAD_OP, fsdp:NO_SHARD, pp2:ddp, pp2:zero2, pp2:zero3 "
+                         "(two pipeline stages, the flavour over their replicas), fsdp2 "
+                         "(torch FSDP2), torchddp (torch DDP), nocomm (no communication: the "
+                         "compute floor)")
     bs.add_argument("--json", dest="json_path", default="", metavar="PATH",
                     help="also write the medians and ratios as JSON to PATH")
     bp = bsub.add_parser("pipeline", help="pipeline bubble per stage vs (p-1)/(m+p-1), "

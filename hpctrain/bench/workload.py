@@ -120,6 +120,7 @@ class _FSDP2(Parallelized):
     """torch FSDP2 (fully_shard per layer, then the root) with the same step interface."""
 
     name = "fsdp2"
+    memory_report = None  # torch's DTensors: no report of ours
 
     def __init__(self, model, make_optimizer, world):
         from torch.distributed.device_mesh import init_device_mesh
@@ -137,6 +138,7 @@ class _TorchDDP(Parallelized):
     all-reduces started from autograd hooks during backward)."""
 
     name = "torchddp"
+    memory_report = None  # torch's wrapper: no report of ours
 
     def __init__(self, model, make_optimizer, world):
         from torch.nn.parallel import DistributedDataParallel
@@ -326,7 +328,7 @@ def measure(strategy: str, params_m: float = 20.0, width: int = 1024, batch: int
             times.append(time.perf_counter() - t0)
     above = (_status_kb("VmHWM") - base_kb) * 1024
     build = (build_kb - base_kb) * 1024
-    report = par.memory_report() if hasattr(par, "memory_report") else None
+    report = par.memory_report() if callable(getattr(par, "memory_report", None)) else None
     entry.finish(world)
     return {"strategy": strategy, "world_size": world.size, "psi": psi,
             "unit_bytes": unit_bytes, "layers": layers, "width": width,

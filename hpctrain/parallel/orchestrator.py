@@ -41,8 +41,8 @@ class Composed:
     _OWN = ("_inner", "_executor", "name")
 
     def __setattr__(self, attr, value):
-        # Everything but its own three attributes lives on the flavour (e.g. job_comm).
-        if attr in self._OWN:
+        # State lives on the flavour (e.g. job_comm); what Composed itself defines, here.
+        if attr in self._OWN or hasattr(type(self), attr):
             object.__setattr__(self, attr, value)
         else:
             setattr(self._inner, attr, value)
