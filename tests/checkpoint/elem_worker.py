@@ -115,7 +115,10 @@ def batch(ops_path: str, comm) -> None:
         with patched_env(env):
             run(mode, path, block_bytes, False, comm)
         comm.Barrier()
-        print(f"rank {comm.Get_rank()}: OK {i}", flush=True)
+        # One write per line: print() writes the text and the newline apart, and mpirun
+        # may interleave another rank's line between them.
+        sys.stdout.write(f"rank {comm.Get_rank()}: OK {i}\n")
+        sys.stdout.flush()
 
 
 def main() -> int:
