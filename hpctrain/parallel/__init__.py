@@ -34,10 +34,6 @@ def __getattr__(name):
     raise AttributeError(f"module 'hpctrain.parallel' has no attribute {name!r}")
 
 
-_TABLE = {"ddp": "ddp", "zero1": "zero", "zero2": "zero", "zero3": "zero", "fsdp": "fsdp",
-          "pipeline": "pipeline", "domain": "domain"}
-
-
 def wrap(strategy: str, model, make_optimizer, world, options=None, mesh: str = "",
          dp_flavour: str = ""):
     """Apply the named strategy (a one-dimensional plan; with ``mesh``/``dp_flavour`` a
@@ -45,7 +41,7 @@ def wrap(strategy: str, model, make_optimizer, world, options=None, mesh: str = 
     world). ``options`` is the strategy's own options object (ZeroOptions, PipelineOptions,
     ...); a zero stage contradicting the name is a ValueError before any collective."""
     from hpctrain.parallel.orchestrator import parallelize
-    from hpctrain.parallel.plan import build_plan
+    from hpctrain.parallel.plan import STRATEGY_TABLE, build_plan
 
     if strategy not in STRATEGY_MODULES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGY_MODULES)}")
@@ -62,5 +58,5 @@ def wrap(strategy: str, model, make_optimizer, world, options=None, mesh: str = 
         pipeline_mesh = pipeline_mesh.describe()
     plan = build_plan(strategy, mesh or pipeline_mesh, world.size, dp_flavour,
                       getattr(options, "dp_sharding", "ddp") if strategy == "pipeline" else "ddp")
-    table = _TABLE.get(strategy)
+    table = STRATEGY_TABLE.get(strategy)
     return parallelize(plan, model, make_optimizer, world, {table: options} if table else {})

@@ -16,15 +16,13 @@ from __future__ import annotations
 import importlib
 
 from hpctrain.parallel.base import DPGroups
-from hpctrain.parallel.plan import ParallelPlan
+from hpctrain.parallel.plan import FLAVOUR_TABLES, ParallelPlan
 
 __all__ = ["parallelize", "Composed", "FLAVOUR_MODULES"]
 
 FLAVOUR_MODULES = {"ddp": "hpctrain.parallel.ddp", "zero1": "hpctrain.parallel.zero",
                    "zero2": "hpctrain.parallel.zero", "zero3": "hpctrain.parallel.zero",
                    "fsdp": "hpctrain.parallel.fsdp"}
-# The options key (config table) of each flavour.
-_OPTION_KEYS = {"ddp": "ddp", "zero1": "zero", "zero2": "zero", "zero3": "zero", "fsdp": "fsdp"}
 
 
 class Composed:
@@ -114,11 +112,13 @@ def _flavour(plan: ParallelPlan, model, make_optimizer, world, options: dict, gr
             sharding_strategy="NO_SHARD", grad_accum=ddp.grad_accum if ddp else 1)}
         flavour = "fsdp"
     module = importlib.import_module(FLAVOUR_MODULES[flavour])
-    opts = options.get(_OPTION_KEYS[flavour])
+    opts = options.get(FLAVOUR_TABLES[flavour])
     if hasattr(module, "options_for"):
         opts = module.options_for(flavour, opts)
-    if plan.pipeline:
-        opts = replace(opts or module.FSDPOptions(), sync_batchnorm=False)
+    if plan.pipeline:  # BatchNorm statistics stay per stage (micro-batches, not replicas)
+        # options_for always gives zero its options; only fsdp may come without any
+        opts = replace(opts, sync_batchnorm=False) if opts is not None else \
+            module.FSDPOptions(sync_batchnorm=False)
     return module.wrap(model, make_optimizer, world, opts, groups=groups, **layout)
 
 

@@ -17,13 +17,15 @@ from dataclasses import dataclass
 
 from hpctrain.runtime.mesh import MeshLayout
 
-__all__ = ["FLAVOURS", "FLAVOUR_TABLES", "ParallelPlan", "build_plan"]
+__all__ = ["FLAVOURS", "FLAVOUR_TABLES", "STRATEGY_TABLE", "ParallelPlan", "build_plan"]
 
 #: The data-parallel flavours over the dp dimension.
 FLAVOURS = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 #: The config table each flavour reads.
 FLAVOUR_TABLES = {"ddp": "ddp", "zero1": "zero", "zero2": "zero", "zero3": "zero",
                   "fsdp": "fsdp"}
+#: The options table of each shorthand strategy (single has none).
+STRATEGY_TABLE = {**FLAVOUR_TABLES, "pipeline": "pipeline", "domain": "domain"}
 
 
 class PlanError(ValueError):
@@ -48,10 +50,7 @@ class ParallelPlan:
 
     @property
     def dom_size(self) -> int:
-        n = 1
-        for d in self.dom:
-            n *= d
-        return n
+        return self.layout.dom_size
 
     @property
     def world_size(self) -> int:
@@ -67,11 +66,6 @@ class ParallelPlan:
         """Ranks that split each micro-batch's samples: the dp replicas (pp stages and dom
         tiles of one replica see the same samples)."""
         return self.dp
-
-    @property
-    def composed(self) -> bool:
-        """More than one kind of parallelism: a model-parallel dim and dp replicas."""
-        return self.dp > 1 and (self.pp > 1 or self.dom_size > 1 or self.tp > 1)
 
     def transforms(self) -> list[str]:
         """The transforms the orchestrator applies, in its fixed order."""

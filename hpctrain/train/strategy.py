@@ -50,13 +50,11 @@ def plan_options(cfg: Config, flavour: str | None = None) -> dict:
     }
 
 
-_TABLE = {"ddp": "ddp", "zero1": "zero", "zero2": "zero", "zero3": "zero", "fsdp": "fsdp",
-          "pipeline": "pipeline", "domain": "domain"}
-
-
 def strategy_options(cfg: Config):
     """The typed options of the strategy's own table (None for single)."""
-    table = _TABLE.get(cfg.train.strategy)
+    from hpctrain.parallel.plan import STRATEGY_TABLE
+
+    table = STRATEGY_TABLE.get(cfg.train.strategy)
     return plan_options(cfg)[table] if table else None
 
 
