@@ -1,11 +1,18 @@
-"""A flat element range of an N-D dataset as a union of hyperslabs, read or written in one call."""
+"""Parts of an N-D dataset as unions of hyperslabs, read or written in one call.
+
+A rank's part of a tensor is a box (an N-D hyperslab: a tensor-parallel row or column
+slice, or the whole tensor) and, inside it, a range of its row-major flattened elements (a
+ZeRO/FSDP flat shard of that box). Its elements, in row-major order, are both a few N-D
+boxes (what HDF5 selects) and a list of runs of the global flattened tensor (what the
+checksums of canonical flat blocks are built from)."""
 
 from __future__ import annotations
 
 import h5py
 import numpy as np
 
-__all__ = ["flat_boxes", "select_flat", "write_flat", "read_flat"]
+__all__ = ["flat_boxes", "box_flat_boxes", "box_runs", "select_flat", "select_boxes",
+           "write_flat", "write_boxes", "read_flat"]
 
 
 def flat_boxes(shape: tuple, start: int, stop: int) -> list[tuple[tuple, tuple]]:
@@ -32,6 +39,54 @@ def flat_boxes(shape: tuple, start: int, stop: int) -> list[tuple[tuple, tuple]]
     return out
 
 
+def box_flat_boxes(offset: tuple, count: tuple, lo: int, hi: int) -> list[tuple[tuple, tuple]]:
+    """(offset, count) boxes whose union, in row-major order, is flat elements [lo, hi) of the
+    box (offset, count) of a larger tensor (row-major over the box's own shape)."""
+    return [(tuple(o + b for o, b in zip(offset, off)), cnt)
+            for off, cnt in flat_boxes(tuple(count), lo, hi)]
+
+
+def box_runs(shape: tuple, offset: tuple, count: tuple, lo: int = 0,
+             hi: int | None = None) -> np.ndarray:
+    """(k, 2) int64 [start, stop) runs of the global row-major flattened tensor of ``shape``
+    holding flat elements [lo, hi) of the box (offset, count), in order; each run is
+    contiguous in the global tensor. A box of whole trailing dims is one run per leading
+    index (a row slice: one run; a column slice of a matrix: one run per row)."""
+    shape, offset, count = tuple(shape), tuple(offset), tuple(count)
+    n = int(np.prod(count, dtype=np.int64))
+    hi = n if hi is None else hi
+    if hi <= lo or n == 0:
+        return np.zeros((0, 2), dtype=np.int64)
+    if not shape:
+        return np.array([[0, 1]], dtype=np.int64)
+    strides = [int(np.prod(shape[d + 1:], dtype=np.int64)) for d in range(len(shape))]
+    k = len(shape) - 1  # dims after k are whole: they join the run
+    while k > 0 and count[k] == shape[k] and offset[k] == 0:
+        k -= 1
+    run = count[k] * strides[k]
+    starts = np.zeros(1, dtype=np.int64)
+    for d in range(k):
+        starts = (starts[:, None] + (offset[d] + np.arange(count[d], dtype=np.int64))
+                  * strides[d]).reshape(-1)
+    starts = starts + offset[k] * strides[k]
+    first, last = lo // run, -(-hi // run)
+    starts = starts[first:last].copy()
+    stops = starts + run
+    starts[0] += lo - first * run
+    stops[-1] -= last * run - hi
+    return np.stack([starts, stops], axis=1)
+
+
+def select_boxes(space, boxes: list[tuple[tuple, tuple]]) -> None:
+    """Select the union of boxes in dataspace space (none when there are none)."""
+    if not boxes:
+        space.select_none()
+        return
+    for k, (off, cnt) in enumerate(boxes):
+        op = h5py.h5s.SELECT_SET if k == 0 else h5py.h5s.SELECT_OR
+        space.select_hyperslab(tuple(off), tuple(cnt), op=op)
+
+
 def select_flat(space, shape: tuple, start: int, stop: int) -> None:
     """Select flat elements [start, stop) of dataspace space (of shape) in place."""
     if stop <= start:
@@ -53,6 +108,22 @@ def _spaces(dset, start: int, stop: int):
     if stop <= start:
         mspace.select_none()
     return mspace, fspace
+
+
+def write_boxes(dset, flat: np.ndarray, boxes: list[tuple[tuple, tuple]], dxpl=None) -> None:
+    """Write 1-D flat into the union of boxes of dset (row-major order of the union); a rank
+    with nothing to write still makes the call (no boxes), as write_flat."""
+    if dset.ndim == 0:
+        write_flat(dset, flat, 0, len(flat) if boxes else 0, dxpl)
+        return
+    n = sum(int(np.prod(cnt, dtype=np.int64)) for _, cnt in boxes)
+    fspace = dset.id.get_space()
+    select_boxes(fspace, boxes if n else [])
+    mspace = h5py.h5s.create_simple((max(1, n),))
+    if not n:
+        mspace.select_none()
+        flat = np.empty(1, dtype=dset.dtype)
+    dset.id.write(mspace, fspace, np.ascontiguousarray(flat), dxpl=dxpl)
 
 
 def write_flat(dset, flat: np.ndarray, start: int, stop: int, dxpl=None) -> None:

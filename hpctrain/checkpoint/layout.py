@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["Entry", "to_numpy", "from_numpy", "storage_dtype", "BLOCK_BYTES", "block_elems",
-           "numel", "owned_elems", "local_flat", "replicated_elems"]
+__all__ = ["Entry", "Region", "to_numpy", "from_numpy", "storage_dtype", "BLOCK_BYTES",
+           "block_elems", "numel", "owned_region", "local_flat", "replicated_elems"]
 
 # Canonical checksum block: a fixed byte budget of the row-major flattened tensor, independent
 # of the world size and of how it is sharded, so CRCs written by N ranks verify when M read.
@@ -24,10 +24,16 @@ class Entry:
     """One tensor of the checkpoint.
 
     ``name``: dataset path (e.g. ``model/fc.weight``); ``shape``/``dtype``: GLOBAL ones;
-    ``local``: this rank's tensor; ``rows``: the (start, stop) rows of the global tensor that
-    ``local`` holds; ``elems``: instead, the (start, stop) elements of the row-major flattened
-    global tensor that the 1-D ``local`` holds (ZeRO/FSDP flat shards, any alignment); both None
-    when every rank holds all of it (replicated: the writer splits the writing over ranks);
+    ``local``: this rank's tensor. What part of the global tensor it holds:
+
+    - ``box=(offset, count)``: an N-D hyperslab (a tensor-parallel slice along any dim; ``local``
+      has shape ``count``);
+    - ``rows=(start, stop)``: the box of those whole rows;
+    - ``elems=(start, stop)``: the 1-D ``local`` holds those elements of the row-major
+      flattened tensor (ZeRO/FSDP flat shards, any alignment) or, with ``box``, of the
+      flattened box (a flat shard of a tensor-parallel slice);
+    - none of them: every rank holds all of it (replicated: the writer splits the writing).
+
     ``load``: called with the numpy array read back for ``rows``.
     """
 
@@ -38,6 +44,23 @@ class Entry:
     rows: tuple | None = None
     load: object = None
     elems: tuple | None = None
+    box: tuple | None = None
+
+
+@dataclass(frozen=True)
+class Region:
+    """The elements one rank writes of an entry, in row-major order: as N-D ``boxes`` (HDF5
+    selections), as ``runs`` of the global flattened tensor ((k, 2) [start, stop) rows:
+    checksum pieces) and, for a replicated entry, the ``part`` of the local tensor's flat
+    elements they are (None: all of ``local``)."""
+
+    boxes: list
+    runs: np.ndarray
+    part: tuple | None = None
+
+    @property
+    def size(self) -> int:
+        return int((self.runs[:, 1] - self.runs[:, 0]).sum()) if len(self.runs) else 0
 
 
 def storage_dtype(dtype: torch.dtype) -> np.dtype:
@@ -86,36 +109,68 @@ def replicated_elems(index: int, shape: tuple, itemsize: int, rank: int, world: 
     return min(lo * b, n), min(hi * b, n)
 
 
-def owned_elems(index: int, e: Entry, rank: int, world: int) -> tuple:
-    """The (start, stop) flat elements of e's global tensor that this rank writes."""
+def _flat_region(shape: tuple, start: int, stop: int, part=None) -> Region:
+    from hpctrain.checkpoint.hyperslab import flat_boxes
+
+    runs = np.array([[start, stop]] if stop > start else [], dtype=np.int64).reshape(-1, 2)
+    boxes = flat_boxes(shape, start, stop) if shape else ([((), ())] if stop > start else [])
+    return Region(boxes, runs, part)
+
+
+def owned_region(index: int, e: Entry, rank: int, world: int) -> Region:
+    """The part of e's global tensor this rank writes (its own part; a replicated entry: its
+    share of the writing). Raises ValueError naming the entry when the part does not fit."""
+    from hpctrain.checkpoint.hyperslab import box_flat_boxes, box_runs
+
     shape, n = tuple(e.shape), numel(tuple(e.shape))
-    if e.rows is not None and e.elems is not None:
-        raise ValueError(f"{e.name}: Entry has both rows={tuple(e.rows)} and "
-                         f"elems={tuple(e.elems)}; give one of them")
-    if e.elems is not None:
-        start, stop = (int(x) for x in e.elems)
-        span = f"elements {(start, stop)}"
-    elif e.rows is not None:
-        inner = numel(shape[1:]) if shape else 1
-        start, stop = int(e.rows[0]) * inner, int(e.rows[1]) * inner
-        span = f"rows {tuple(e.rows)}"
+    given = [k for k in ("rows", "box") if getattr(e, k) is not None]
+    if len(given) > 1:
+        raise ValueError(f"{e.name}: Entry has both rows={tuple(e.rows)} and box={tuple(e.box)}; "
+                         f"give one of them")
+    if not given and e.elems is None:
+        start, stop = replicated_elems(index, shape, storage_dtype(e.dtype).itemsize, rank, world)
+        return _flat_region(shape, start, stop, (start, stop))
+    if e.rows is not None:
+        a, b = int(e.rows[0]), int(e.rows[1])
+        if not 0 <= a <= b <= (shape[0] if shape else 0):
+            raise ValueError(f"{e.name}: owned rows {(a, b)} lie outside the tensor of shape "
+                             f"{shape}; give a range within it")
+        box = ((a,) + (0,) * (len(shape) - 1), (b - a,) + shape[1:])
+        span = f"rows {(a, b)}"
+    elif e.box is not None:
+        off, cnt = (tuple(int(x) for x in v) for v in e.box)
+        if len(off) != len(shape) or len(cnt) != len(shape) or any(
+                o < 0 or c < 0 or o + c > s for o, c, s in zip(off, cnt, shape)):
+            raise ValueError(f"{e.name}: owned box offset {off} count {cnt} lies outside the "
+                             f"tensor of shape {shape}; give a box within it")
+        box, span = (off, cnt), f"box offset {off} count {cnt}"
     else:
-        return replicated_elems(index, shape, storage_dtype(e.dtype).itemsize, rank, world)
-    if not 0 <= start <= stop <= n:
-        raise ValueError(f"{e.name}: owned {span} lie outside the tensor of shape {shape} "
-                         f"({n} elements); give a range within it")
+        box, span = (((0,) * len(shape), shape)), None
+    inner = numel(box[1])
+    if e.elems is not None:
+        lo, hi = (int(x) for x in e.elems)
+        within = f" of the box (offset {box[0]}, count {box[1]})" if span else ""
+        if not 0 <= lo <= hi <= inner:
+            raise ValueError(f"{e.name}: owned elements {(lo, hi)}{within} lie outside the "
+                             f"tensor of shape {shape} ({n} elements); give a range within it")
+        span = f"elements {(lo, hi)}{within}"
+    else:
+        lo, hi = 0, inner
     have = 0 if e.local is None else e.local.numel()
-    if have != stop - start:
-        raise ValueError(f"{e.name}: owned {span} hold {stop - start} elements but `local` "
-                         f"has {have}; pass exactly the owned part (no padding)")
-    return start, stop
+    if have != hi - lo:
+        raise ValueError(f"{e.name}: owned {span} hold {hi - lo} elements but `local` has "
+                         f"{have}; pass exactly the owned part (no padding)")
+    if not shape:
+        return _flat_region(shape, lo, hi)
+    return Region(box_flat_boxes(box[0], box[1], lo, hi) if hi > lo else [],
+                  box_runs(shape, box[0], box[1], lo, hi))
 
 
-def local_flat(e: Entry, span: tuple) -> np.ndarray:
-    """This rank's flat elements span of e as a 1-D numpy array (no copy when contiguous)."""
+def local_flat(e: Entry, region: Region) -> np.ndarray:
+    """This rank's written elements of e as a 1-D numpy array (no copy when contiguous)."""
     if e.local is None:  # owns nothing of a sharded tensor
         return np.empty(0, dtype=storage_dtype(e.dtype))
     a = to_numpy(e.local).reshape(-1)
-    if e.rows is None and e.elems is None:
-        return a[span[0]:span[1]]  # replicated: every rank holds all, writes its part
+    if region.part is not None:
+        return a[region.part[0]:region.part[1]]  # replicated: every rank holds all, writes its part
     return a

@@ -84,13 +84,16 @@ class Reader:
         self.errors.append(f"checkpoint {self.path}: {msg}")
 
     def read(self, name: str, shape: tuple | None = None, rows: tuple | None = None,
-             elems: tuple | None = None):
+             elems: tuple | None = None, box: tuple | None = None):
         """Checksum-verified part of dataset name; None on error (collected for check()).
 
-        rows=(start, stop): those rows; elems=(start, stop): those elements of the row-major
-        flattened tensor, as a 1-D array; neither: the whole tensor. The whole canonical blocks
-        around the part are read to verify them.
+        rows=(start, stop): those rows; box=(offset, count): that N-D hyperslab (a
+        tensor-parallel slice); elems=(start, stop): those elements of the row-major flattened
+        tensor (or, with box, of the flattened box), as a 1-D array; none: the whole tensor.
+        The whole canonical blocks around the part are read to verify them.
         """
+        from hpctrain.checkpoint.hyperslab import box_runs
+
         if name not in self.f:
             self.fail(f"dataset {name!r} is missing; the checkpoint was written for a different "
                       f"model or optimizer (check train.model, model_options and optimizer)")
@@ -101,20 +104,35 @@ class Reader:
                       f"{tuple(shape)}; resume with the config the checkpoint was written with")
             return None
         dshape, total = tuple(d.shape), numel(tuple(d.shape))
-        if elems is not None:
+        if rows is not None and d.ndim:
+            box = ((int(rows[0]),) + (0,) * (d.ndim - 1),
+                   (int(rows[1]) - int(rows[0]),) + dshape[1:])
+        runs, out_shape = None, dshape
+        if box is not None and d.ndim:
+            off, cnt = (tuple(int(x) for x in v) for v in box)
+            if len(off) != d.ndim or len(cnt) != d.ndim or any(
+                    o < 0 or c < 0 or o + c > n for o, c, n in zip(off, cnt, dshape)):
+                self.fail(f"dataset {name!r} of shape {dshape} has no box offset {off} count "
+                          f"{cnt}; the checkpoint was written for a different model or sharding")
+                return None
+            lo, hi = (0, numel(cnt)) if elems is None else (int(elems[0]), int(elems[1]))
+            if not 0 <= lo <= hi <= numel(cnt):
+                self.fail(f"dataset {name!r}: box count {cnt} has no elements {(lo, hi)}; the "
+                          f"checkpoint was written for a different model or sharding")
+                return None
+            runs = box_runs(dshape, off, cnt, lo, hi)
+            out_shape = cnt if elems is None else (hi - lo,)
+        elif elems is not None:
             start, stop = (int(x) for x in elems)
+            if not 0 <= start <= stop <= total:
+                self.fail(f"dataset {name!r} of shape {dshape} has no elements {tuple(elems)}; "
+                          f"the checkpoint was written for a different model or sharding")
+                return None
+            runs = np.array([[start, stop]] if stop > start else [], np.int64).reshape(-1, 2)
             out_shape = (stop - start,)
-        elif rows is not None and d.ndim:
-            inner = numel(dshape[1:])
-            start, stop = int(rows[0]) * inner, int(rows[1]) * inner
-            out_shape = (int(rows[1]) - int(rows[0]),) + dshape[1:]
-        else:
-            start, stop, out_shape = 0, total, dshape
-        if not 0 <= start <= stop <= total:
-            what = f"elements {tuple(elems)}" if elems is not None else f"rows {tuple(rows)}"
-            self.fail(f"dataset {name!r} of shape {dshape} has no {what}; the checkpoint was "
-                      f"written for a different model or sharding")
-            return None
+        if runs is not None and not len(runs):
+            return np.empty(out_shape, dtype=d.dtype)
+        start, stop = (0, total) if runs is None else (int(runs[0, 0]), int(runs[-1, 1]))
         belems, crcs = self._blocks(d)
         if crcs is None:
             self.fail(f"dataset {name!r} has no valid checksum attributes (crc32, "
@@ -131,7 +149,12 @@ class Reader:
             return None
         if d.ndim == 0 and elems is None:
             return flat.reshape(())
-        return flat.reshape(-1)[start - lo:stop - lo].reshape(out_shape)
+        flat = flat.reshape(-1)
+        if runs is None:
+            return flat.reshape(out_shape)
+        if len(runs) == 1:
+            return flat[start - lo:stop - lo].reshape(out_shape)
+        return np.concatenate([flat[a - lo:b - lo] for a, b in runs.tolist()]).reshape(out_shape)
 
     def verify(self, name: str, index: int = 0, share: tuple = (0, 1)) -> str | None:
         """Why dataset name fails verification, or None when its checksums hold.

@@ -16,11 +16,9 @@ import warnings
 import h5py
 import numpy as np
 
-from hpctrain.checkpoint.checksum import piece_crcs
-from hpctrain.checkpoint.hyperslab import flat_boxes
 from hpctrain.checkpoint.layout import Entry, block_elems, local_flat, numel, storage_dtype
 from hpctrain.checkpoint.writer import (agree_os_error, agreed_spans, fault_hook, finish_attrs,
-                                        merge_crcs, new_file)
+                                        merge_crcs, new_file, region_crcs)
 from hpctrain.runtime.env import env_flag
 
 __all__ = ["write_serial", "parts_dir", "use_serial", "drop_unused_parts", "FORCE_ENV"]
@@ -87,16 +85,16 @@ def drop_unused_parts(final_path: str) -> list[str]:
     return removed
 
 
-def _virtual_dcpl(shape: tuple, sources: list[tuple[str, int, int]], name: str):
-    """Creation properties mapping each (file, start, stop) 1-D part onto its flat range."""
+def _virtual_dcpl(shape: tuple, sources: list[tuple[str, list, int]], name: str):
+    """Creation properties mapping each (file, boxes, size) 1-D part onto its boxes, in order."""
     dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-    for fname, lo, hi in sources:
+    for fname, boxes, size in sources:
         at = 0
-        for off, cnt in flat_boxes(shape, lo, hi):
+        for off, cnt in boxes:
             n = int(np.prod(cnt))
             vspace = h5py.h5s.create_simple(shape)
-            vspace.select_hyperslab(off, cnt)
-            sspace = h5py.h5s.create_simple((hi - lo,))
+            vspace.select_hyperslab(tuple(off), tuple(cnt))
+            sspace = h5py.h5s.create_simple((size,))
             sspace.select_hyperslab((at,), (n,))
             dcpl.set_virtual(vspace, fname.encode(), name.encode(), sspace)
             at += n
@@ -108,15 +106,15 @@ def _write_parts(path: str, entries: list[Entry], spans, rank: int):
     crcs, pieces, scalars = {}, {}, {}
     try:
         with new_file(path) as f:
-            for i, (e, span) in enumerate(zip(entries, spans)):
-                if span[1] > span[0]:
-                    flat = local_flat(e, span)
+            for i, (e, region) in enumerate(zip(entries, spans)):
+                if region.size:
+                    flat = local_flat(e, region)
                     if len(e.shape) == 0:  # VDS needs a rank >= 1 selection: in the master
                         scalars[i] = flat.copy()
                     else:
                         f.create_dataset(e.name, data=flat)
-                    crcs[i] = piece_crcs(flat, span[0], block_elems(flat.dtype.itemsize))
-                    pieces[i] = span
+                    crcs[i] = region_crcs(flat, region, block_elems(flat.dtype.itemsize))
+                    pieces[i] = (region.boxes, region.size)
                 fault_hook(rank, i + 1)
     except OSError as exc:  # a full disk: the other ranks must hear of it, not hang
         return crcs, pieces, scalars, exc

@@ -11,13 +11,13 @@ import numpy as np
 
 from hpctrain.checkpoint import meta
 from hpctrain.checkpoint.checksum import merge_pieces, piece_crcs
-from hpctrain.checkpoint.hyperslab import write_flat
-from hpctrain.checkpoint.layout import (Entry, block_elems, local_flat, numel, owned_elems,
-                                        storage_dtype)
+from hpctrain.checkpoint.hyperslab import write_boxes
+from hpctrain.checkpoint.layout import (Entry, Region, block_elems, local_flat, numel,
+                                        owned_region, storage_dtype)
 from hpctrain.checkpoint.writeback import Writeback
 
 __all__ = ["write_parallel", "fault_hook", "FAULT_ENV", "set_attrs", "dataset_attrs",
-           "merge_crcs", "agreed_spans", "agree_os_error", "finish_attrs", "new_file"]
+           "merge_crcs", "agreed_spans", "region_crcs", "agree_os_error", "finish_attrs", "new_file"]
 
 # Tests only: "RANK:K" makes rank RANK die (os._exit) after writing K datasets of a save;
 # "RANK:K:enospc" makes its write fail there as on a full disk.
@@ -89,11 +89,20 @@ def merge_crcs(gathered: list[dict], entries: list[Entry]) -> list[np.ndarray]:
     return out
 
 
-def agreed_spans(entries: list[Entry], comm) -> list[tuple]:
-    """This rank's owned flat spans; a bad Entry on any rank raises on every rank (no hang)."""
+def region_crcs(flat: np.ndarray, region: Region, belems: int) -> list:
+    """Checksum pieces of this rank's elements: each global run's pieces of the blocks."""
+    out, at = [], 0
+    for start, stop in region.runs.tolist():
+        out += piece_crcs(flat[at:at + stop - start], start, belems)
+        at += stop - start
+    return out
+
+
+def agreed_spans(entries: list[Entry], comm) -> list[Region]:
+    """This rank's owned regions; a bad Entry on any rank raises on every rank (no hang)."""
     rank, world = comm.Get_rank(), comm.Get_size()
     try:
-        spans, err = [owned_elems(i, e, rank, world) for i, e in enumerate(entries)], None
+        spans, err = [owned_region(i, e, rank, world) for i, e in enumerate(entries)], None
     except ValueError as exc:
         spans, err = [], f"rank {rank}: {exc}"
     errors = [x for x in comm.allgather(err) if x]
@@ -115,14 +124,15 @@ def _write_data(path: str, entries: list[Entry], dsets, spans, dxpl, rank: int):
     crcs = {}
     wb = Writeback(path)
     try:
-        for i, (e, d, (start, stop)) in enumerate(zip(entries, dsets, spans)):
-            if stop > start:
-                flat = local_flat(e, (start, stop))
-                write_flat(d, flat, start, stop, dxpl)
+        for i, (e, d, region) in enumerate(zip(entries, dsets, spans)):
+            if region.size:
+                flat = local_flat(e, region)
+                write_boxes(d, flat, region.boxes, dxpl)
                 size = d.dtype.itemsize
                 if d.ndim:  # a scalar may live in HDF5's object header: no offset
+                    start, stop = int(region.runs[0, 0]), int(region.runs[-1, 1])
                     wb.start(d.id.get_offset() + start * size, (stop - start) * size)
-                crcs[i] = piece_crcs(flat, start, block_elems(size))
+                crcs[i] = region_crcs(flat, region, block_elems(size))
             fault_hook(rank, i + 1)
     except OSError as exc:  # a full disk: the other ranks must hear of it, not hang
         return crcs, exc

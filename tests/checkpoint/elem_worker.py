@@ -32,6 +32,32 @@ FLAT = [("flat/m13x7", (13, 7), torch.float32), ("flat/v29", (29,), torch.float6
 ROWS = ("rows/w", (10, 3), torch.float32)   # sharded by rows
 REP = ("rep/b", (5, 4), torch.float64)      # replicated
 PAD = 3  # padding elements at the end of the flat buffer (not written)
+# N-D hyperslabs, as tensor parallel writes them: a column slice per rank (uneven), and a
+# slice along dim 2 over tp=2 (tp=1 at an odd world) flat-sharded over the rest (tp x zero).
+COLS = ("box/cols", (12, 10), torch.float32)
+TPDP = ("box/tpdp", (4, 6, 5), torch.float64)
+
+
+def _cuts(n: int, parts: int) -> list[int]:
+    return [n * i // parts for i in range(parts + 1)]
+
+
+def box_parts(rank: int, world: int) -> list[tuple]:
+    """This rank's (box, elems or None) of COLS and TPDP."""
+    c = _cuts(COLS[1][1], world)
+    cols = (((0, c[rank]), (COLS[1][0], c[rank + 1] - c[rank])), None)
+    tp = 2 if world % 2 == 0 else 1
+    dp, t, d = world // tp, rank % tp, rank // tp
+    k = _cuts(TPDP[1][2], tp)
+    count = (TPDP[1][0], TPDP[1][1], k[t + 1] - k[t])
+    e = _cuts(int(np.prod(count)), dp)
+    return [cols, (((0, 0, k[t]), count), (e[d], e[d + 1]))]
+
+
+def box_local(spec: tuple, part: tuple) -> torch.Tensor:
+    (off, cnt), elems = part
+    t = tensor(*spec)[tuple(slice(o, o + n) for o, n in zip(off, cnt))]
+    return t if elems is None else t.reshape(-1)[elems[0]:elems[1]].clone()
 
 
 def tensor(name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -69,6 +95,9 @@ def entries(rank: int, world: int, gap: bool) -> list[Entry]:
     lo, hi = rank * shape[0] // world, (rank + 1) * shape[0] // world
     out.append(Entry(name, shape, dtype, tensor(name, shape, dtype)[lo:hi].clone(), rows=(lo, hi)))
     out.append(Entry(REP[0], REP[1], REP[2], tensor(*REP)))
+    for spec, part in zip((COLS, TPDP), box_parts(rank, world)):
+        out.append(Entry(spec[0], spec[1], spec[2], box_local(spec, part).clone(), box=part[0],
+                         elems=part[1]))
     return out
 
 
@@ -92,6 +121,13 @@ def check_read(path: str, rank: int, world: int, comm) -> None:
         got = r.read(REP[0], REP[1])
         if got is not None:
             assert torch.equal(torch.from_numpy(got), tensor(*REP)), REP[0]
+        for spec, part in zip((COLS, TPDP), box_parts(rank, world)):
+            got = r.read(spec[0], spec[1], box=part[0], elems=part[1])
+            if got is not None:
+                assert torch.equal(torch.from_numpy(got), box_local(spec, part)), (spec[0], part)
+            whole = r.read(spec[0], spec[1])
+            if whole is not None:
+                assert torch.equal(torch.from_numpy(whole), tensor(*spec)), spec[0]
         r.check(comm)
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from hpctrain.checkpoint.checksum import crc32_combine, merge_pieces, piece_crcs, verify_flat
-from hpctrain.checkpoint.hyperslab import flat_boxes
+from hpctrain.checkpoint.hyperslab import box_flat_boxes, box_runs, flat_boxes
 from tests.mpirun import run_mpi
 
 WORKER = ["-W", "ignore::RuntimeWarning", "-m", "tests.checkpoint.elem_worker"]
@@ -48,6 +48,29 @@ def test_flat_boxes_are_the_range_in_order():
                 got = [x for off, cnt in boxes
                        for x in idx[tuple(slice(o, o + c) for o, c in zip(off, cnt))].ravel()]
                 assert got == list(range(start, stop)), (shape, start, stop)
+
+
+def test_box_runs_and_boxes_are_the_box_elements_in_order():
+    rng = np.random.default_rng(1)
+    for shape in [(13, 7), (29,), (3, 5, 11), (2, 3, 4, 5)]:
+        idx = np.arange(int(np.prod(shape))).reshape(shape)
+        for _ in range(40):
+            off = tuple(int(rng.integers(0, s + 1)) for s in shape)
+            cnt = tuple(int(rng.integers(0, s - o + 1)) for s, o in zip(shape, off))
+            want = idx[tuple(slice(o, o + c) for o, c in zip(off, cnt))].ravel()
+            lo = int(rng.integers(0, want.size + 1))
+            hi = int(rng.integers(lo, want.size + 1))
+            runs = box_runs(shape, off, cnt, lo, hi)
+            got = [x for a, b in runs.tolist() for x in range(a, b)]
+            assert got == list(want[lo:hi]), (shape, off, cnt, lo, hi)
+            assert all(b > a for a, b in runs.tolist())
+            boxes = box_flat_boxes(off, cnt, lo, hi)
+            got = [x for o, c in boxes
+                   for x in idx[tuple(slice(a, a + n) for a, n in zip(o, c))].ravel()]
+            assert got == list(want[lo:hi])
+    # a column slice of a matrix: one run per row; a row slice: one run
+    assert box_runs((4, 6), (0, 2), (4, 3)).tolist() == [[2, 5], [8, 11], [14, 17], [20, 23]]
+    assert box_runs((4, 6), (1, 0), (2, 6)).tolist() == [[6, 18]]
 
 
 def test_pieces_cut_anywhere_merge_to_whole_block_crcs():
@@ -122,6 +145,7 @@ def test_written_at_n_read_at_m(round_trips, n, m, block):
     assert wrote
     with h5py.File(path) as f:
         assert f["flat/t3x5x11"].shape == (3, 5, 11) and f["flat/scalar"].shape == ()
+        assert f["box/cols"].shape == (12, 10) and f["box/tpdp"].shape == (4, 6, 5)
     assert read
 
 
