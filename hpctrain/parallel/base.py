@@ -23,16 +23,14 @@ class DPGroups:
     ``partial``: groups whose ranks hold PARTIAL gradients of the same parameters (the tiles
     of a domain split), summed over too. ``batch``: the ranks holding the same parameters
     and together the global batch (start values broadcast, BatchNorm statistics): dp times
-    the partial groups. ``norm``: groups whose ranks hold different parameters (pipeline
-    stages), over which norms are summed.
+    the partial groups. Which group sums which parameter's gradient, and how each counts in
+    norms and checkpoints, is the parameters' placements (placement.py).
     """
 
-    def __init__(self, dp, partial=(), batch=None, norm=()):
+    def __init__(self, dp, partial=(), batch=None):
         self.dp = dp
         self.partial = tuple(c for c in partial if c.size > 1)
         self.batch = batch if batch is not None else dp
-        # Groups whose ranks hold DIFFERENT parameters (pipeline stages): norms sum over them.
-        self.norm = tuple(c for c in norm if c.size > 1)
 
     @classmethod
     def of_world(cls, world) -> "DPGroups":
@@ -66,11 +64,31 @@ class Parallelized:
     """
 
     name = "base"
+    # The data-parallel replicas of every tensor (placement.Copies), set by the flavour.
+    dp_copies: tuple = ()
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, job_comm=None):
         self.model = model
         self.optimizer = optimizer
         self.job_comm = job_comm  # host Communicator over every rank of the job (None: one)
+
+    def _placement(self, t: torch.Tensor):
+        """Where t lives: its model-parallel placement, held alike by the dp replicas."""
+        from hpctrain.parallel.placement import placement_of
+
+        return placement_of(t).with_copies(*self.dp_copies)
+
+    def placements(self) -> dict:
+        """{parameter name: its Placement} for this rank's parameters (local)."""
+        return {name: self._placement(p) for name, p in self.model.named_parameters()}
+
+    def _norm(self, tensors) -> float:
+        """Global L2 norm of tensors, each element once however placed; collective."""
+        from hpctrain.parallel.placement import global_norm
+
+        with torch.no_grad():
+            return global_norm([(t, self._placement(t).norm_weight) for t in tensors],
+                               self.job_comm)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate gradients of loss (already weighted by its share of the global batch).
@@ -108,11 +126,11 @@ class Parallelized:
         """Make every gradient the global one (no-op for one process)."""
 
     def _grad_norm(self) -> float:
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if not grads:
-            return 0.0
-        return float(torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads])))
+        from hpctrain.parallel.placement import global_norm
+
+        return global_norm([(p.grad, self._placement(p).norm_weight)
+                            for p in self.model.parameters() if p.grad is not None],
+                           self.job_comm)
 
     def _clip(self, max_norm: float) -> float:
         norm = self._grad_norm()
@@ -148,24 +166,31 @@ class Parallelized:
         return next(c.__name__ for c in type(self.optimizer).__mro__
                     if c.__module__.startswith("torch.optim"))
 
+    def _job_size(self) -> int:
+        return self.job_comm.size if self.job_comm is not None else 1
+
     def state_entries(self) -> list:
-        """Checkpoint entries of model and optimizer state (replicated here: rows=None).
+        """Checkpoint entries of model and optimizer state, placed (placement.entry): the
+        global tensor, this rank's slice of it, the replicas splitting the writing.
 
         Model tensors are keyed by state_dict key (tied ones once), optimizer state by
         PARAMETER NAME, so a checkpoint loads under any strategy. Sharded strategies override
-        this to give their global shapes and owned rows.
+        this to give their flat shards.
         """
-        from hpctrain.checkpoint.layout import Entry
+        from hpctrain.parallel.placement import entry
 
-        entries, seen = [], set()
+        entries, seen, job = [], set(), self._job_size()
         for key, t in self.model.state_dict(keep_vars=True).items():
             if id(t) not in seen:
                 seen.add(id(t))
-                entries.append(Entry(f"model/{key}", tuple(t.shape), t.dtype, t.detach()))
+                entries.append(entry(f"model/{key}", t.detach(), self._placement(t), None, job))
         for name, p in self.model.named_parameters():
+            placed = self._placement(p)
             for k, v in sorted(self.optimizer.state.get(p, {}).items()):
                 if torch.is_tensor(v):
-                    entries.append(Entry(f"optim/{name}/{k}", tuple(v.shape), v.dtype, v.detach()))
+                    # a scalar such as Adam's step goes with the whole tensor
+                    placed_v = placed.scalar(tuple(v.shape)) if v.shape != p.shape else placed
+                    entries.append(entry(f"optim/{name}/{k}", v.detach(), placed_v, None, job))
         return entries
 
     def state_meta(self) -> dict:
@@ -189,12 +214,17 @@ class Parallelized:
         """Load model and optimizer state from a checkpoint reader (errors collected by it)."""
         from hpctrain.checkpoint.layout import from_numpy
 
+        seen = set()
         with torch.no_grad():
-            for e in self.state_entries():
-                if e.name.startswith("model/"):
-                    a = reader.read(e.name, e.shape)
-                    if a is not None:
-                        e.local.copy_(from_numpy(a, e.dtype).reshape(e.shape))
+            for key, t in self.model.state_dict(keep_vars=True).items():
+                if id(t) in seen:
+                    continue
+                seen.add(id(t))
+                placed = self._placement(t)
+                a = reader.read(f"model/{key}", placed.global_shape,
+                                box=placed.box(tuple(t.shape)))
+                if a is not None:
+                    t.detach().copy_(from_numpy(a, t.dtype).reshape(t.shape))
         self._load_optimizer_state(reader, self.model.named_parameters())
 
     def _optim_class_matches(self, reader) -> bool:
@@ -217,14 +247,17 @@ class Parallelized:
             return
         for name, p in named_params:
             group = f"optim/{name}"
+            placed = self._placement(p)
             state = {}
             for k in reader.keys(group):
-                a = reader.read(f"{group}/{k}")
-                if a is None:
+                shape = tuple(reader.dataset(f"{group}/{k}").shape)
+                if shape not in ((), tuple(placed.global_shape)):
+                    reader.fail(f"dataset {group + '/' + k!r} has shape {shape}, parameter "
+                                f"{name!r} has {tuple(placed.global_shape)}; resume with the "
+                                f"same model")
                     continue
-                if a.shape not in ((), tuple(p.shape)):
-                    reader.fail(f"dataset {group + '/' + k!r} has shape {a.shape}, parameter "
-                                f"{name!r} has {tuple(p.shape)}; resume with the same model")
+                a = reader.read(f"{group}/{k}", box=placed.box(tuple(p.shape)) if shape else None)
+                if a is None:
                     continue
                 dtype = getattr(torch, reader.dataset(f"{group}/{k}").attrs["torch_dtype"])
                 t = from_numpy(np.asarray(a), dtype)
@@ -246,25 +279,11 @@ class Parallelized:
     def buffer_norm(self) -> float:
         """Global L2 norm of the floating-point buffers (e.g. BatchNorm running statistics);
         collective."""
-        with torch.no_grad():
-            sq = sum(float(b.detach().double().pow(2).sum()) for b in self.model.buffers()
-                     if b.is_floating_point())
-        return math.sqrt(self._agree(sq))
+        return self._norm([b for b in self.model.buffers() if b.is_floating_point()])
 
     def param_norm(self) -> float:
         """Global L2 norm of all parameters (each shared parameter counted once); collective."""
-        with torch.no_grad():
-            sq = sum(float(p.detach().double().pow(2).sum()) for p in self.model.parameters())
-        return math.sqrt(self._agree(sq))
-
-    def _agree(self, value: float) -> float:
-        """``value`` as every rank agrees on it (collective over the job). A replicated value
-        is the same everywhere already; agreeing anyway makes the norms collective under
-        every strategy, so a call on one rank only hangs under ddp as it would under zero3
-        instead of working until the strategy changes."""
-        if self.job_comm is None or self.job_comm.size == 1:
-            return value
-        return self.job_comm.allreduce_scalars([value], op="max")[0]
+        return self._norm(list(self.model.parameters()))
 
     def full_state_dict(self, rank0_only: bool = False) -> dict:
         """The whole model's state_dict, as one process would have it: CPU copies, shards

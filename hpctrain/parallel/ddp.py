@@ -16,6 +16,7 @@ from torch import nn
 
 from hpctrain.errors import UsageError
 from hpctrain.parallel.base import DPGroups, OptimizerFactory, Parallelized
+from hpctrain.parallel.placement import Copies
 from hpctrain.parallel.sync_batchnorm import convert_sync_batchnorm
 
 __all__ = ["DDPOptions", "wrap"]
@@ -107,7 +108,9 @@ def wrap(model: nn.Module, make_optimizer: OptimizerFactory, world, options: DDP
     dopt = hvd.DistributedOptimizer(
         optimizer, named_parameters=list(model.named_parameters()), compression=compression,
         backward_passes_per_step=opts.grad_accum, op=hvd.Sum)
-    return HorovodDDP(model, dopt, hvd, world.host)
+    par = HorovodDDP(model, dopt, hvd, world.host)
+    par.dp_copies = (Copies("dp", groups.dp),)
+    return par
 
 
 def _gpu_ops_built() -> bool:

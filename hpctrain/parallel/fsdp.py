@@ -105,7 +105,7 @@ class FSDP(ShardedModel):
                          grad_accum=opts.grad_accum, on_demand=on_demand,
                          reduce_dtype=DTYPES[opts.reduce_dtype], hook_reduce=not external)
         super().__init__(model, make_optimizer, world, units, frozen, plan, shard_comm,
-                         replicate_comm, schedule, groups.partial, specs, groups.norm, name_of)
+                         replicate_comm, schedule, name_of=name_of)
         self.reshard_after_forward = opts.sharding_strategy != "SHARD_GRAD_OP"
 
 

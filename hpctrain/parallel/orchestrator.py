@@ -4,7 +4,8 @@
 2. activation checkpointing (per block; per layer inside the pipeline);
 3. the pipeline split (this rank keeps its stages);
 4. the data-parallel flavour (ddp, zero1-3, fsdp) over the dp replicas, summing gradients
-   over the groups the model-parallel transforms say hold partial gradients.
+   over the groups the parameters' placements (placement.py) name: what the model-parallel
+   transforms recorded when they split or copied them.
 
 Rank 0 logs one line per transform applied and the group it works over. The trainer, the
 checkpoint package and the CLI see only the plan and what this returns; a transform never
@@ -190,9 +191,9 @@ def _pipeline(plan, stack, make_optimizer, world, options, activation_checkpoint
     _log(world, f"transform 1: pipeline: {plan.pp} stages in each of {plan.dp} replicas; "
                 f"activation recompute per layer: "
                 f"{'on' if opts.activation_checkpointing else 'off'}")
-    groups = DPGroups(executor.dp, (), executor.dp, norm=(executor.pp,))
+    groups = DPGroups(executor.dp, (), executor.dp)
     par = _flavour(plan, root, make_optimizer, world, options, groups,
                    units=executor.unit_specs(), name_of=executor.name_of)
     _log(world, f"transform 2: {plan.flavour} over dp={executor.dp.size} for each stage's "
-                f"{len(executor.unit_specs())} units; norms summed over pp={plan.pp}")
+                f"{len(executor.unit_specs())} units")
     return Composed(par, executor, plan.name)

@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from hpctrain.parallel.functional import all_reduce_sum
+from hpctrain.parallel.placement import carry_placements
 from hpctrain.runtime.comm import Communicator
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
@@ -71,6 +72,7 @@ def convert_sync_batchnorm(module: nn.Module, comm: Communicator) -> nn.Module:
         sync = SyncBatchNorm(module.num_features, comm, module.eps, module.momentum, module.affine,
                              module.track_running_stats, **like)
         sync.load_state_dict(module.state_dict())
+        carry_placements(module, sync)
         sync.train(module.training)
         for name in ("weight", "bias"):  # keep requires_grad (frozen affine stays frozen)
             if getattr(module, name, None) is not None:

@@ -27,15 +27,13 @@ class UnitSpec:
     """The module a unit's hooks go on and its (first name, parameter) pairs.
 
     Given by a model-parallel transform (the pipeline's units: the parameters one set of
-    its chunks use), ``module`` is None (the transform's executor gathers and frees), and
-    ``partial`` names groups over which this unit's gradient is partial too (a weight tied
-    across pipeline stages), ``counted`` whether it counts in norms (a tied copy does not)."""
+    its chunks use), ``module`` is None (the transform's executor gathers and frees). Where
+    else the parameters live (a tied copy's other stages) is their placement
+    (placement.py)."""
 
     name: str
     module: nn.Module | None
     params: list = field(default_factory=list)
-    partial: tuple = ()
-    counted: bool = True
 
 
 def check_wrap_policy(owner: str, table: str, policy: str, wrap_classes: tuple,

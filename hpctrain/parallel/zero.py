@@ -85,8 +85,7 @@ class Zero(ShardedModel):
                          persistent_grads=opts.stage == 1, on_demand=opts.stage == 3,
                          hook_reduce=not external)
         super().__init__(model, make_optimizer, world, units, frozen, plan, shard_comm=groups.dp,
-                         schedule=schedule, partial_comms=groups.partial, specs=specs,
-                         norm_comms=groups.norm, name_of=name_of)
+                         schedule=schedule, name_of=name_of)
 
 
 def wrap(model: nn.Module, make_optimizer: OptimizerFactory, world, options: ZeroOptions | None = None,

@@ -20,6 +20,7 @@ from torch import nn
 from hpctrain.parallel.domain.convert import to_domain
 from hpctrain.parallel.domain.decomposition import grid_shape_for
 from hpctrain.parallel.domain.halo import DomainGrid
+from hpctrain.parallel.placement import Copies, place, placement_of
 
 __all__ = ["DomainOptions", "DomainExecutor", "prepare"]
 
@@ -116,4 +117,7 @@ def prepare(model: nn.Module, world, mesh, options: DomainOptions | None = None)
         for t in model.state_dict().values():
             world.comm.broadcast(t, root=0)
     model = to_domain(model, grid, world.comm, overlap=opts.overlap)
+    # Every tile holds every weight whole; each gets the gradient of its own tile.
+    for t in list(model.parameters()) + list(model.buffers()):
+        place(t, placement_of(t).with_copies(Copies("dom", grid.comm, partial=True)))
     return model, DomainExecutor(grid, mesh.coords["dp"], mesh.size("dp"))

@@ -16,6 +16,7 @@ from hpctrain.parallel.pipeline import plan, schedule as sched
 from hpctrain.parallel.pipeline.engine import Engine
 from hpctrain.parallel.pipeline import p2p_plan
 from hpctrain.parallel.pipeline.p2p import P2P_MODES, StageLinks, ordered_mode
+from hpctrain.parallel.placement import Copies, place, placement_of
 from hpctrain.parallel.sharding.engine import broadcast_state
 
 __all__ = ["PipelineOptions", "PipelineExecutor", "prepare", "resolve_layout"]
@@ -79,7 +80,8 @@ class PipelineExecutor:
     def unit_specs(self) -> list:
         """UnitSpecs over this rank's trainable parameters: one per set of local chunks that
         use them, one per tied copy (last, in the stack's order, so the stages holding one
-        shard it alike; its gradient is also partial over the stages holding copies)."""
+        shard it alike; its placement says its gradient is partial over the stages holding
+        copies, summed at the step)."""
         from hpctrain.parallel.units import UnitSpec
 
         if self._specs is not None:
@@ -99,11 +101,8 @@ class PipelineExecutor:
         names = {id(p): n for n, p in root.named_parameters()}
         specs = [UnitSpec(f"chunks{list(k)}", None, ps) for k, ps in groups.items()]
         chunk_sets = list(groups)
-        tied = self.stack.tied
         for i, p in zip(tied_ids, self.tied_local):
-            partial = (self.tied_comm,) if self.tied_comm is not None else ()
-            specs.append(UnitSpec(f"tied:{names[i]}", None, [(names[i], p)], partial,
-                                  counted=names[i] not in tied))
+            specs.append(UnitSpec(f"tied:{names[i]}", None, [(names[i], p)]))
             chunk_sets.append(tuple(sorted(uses.get(i, ()))))
         last_b = {}
         for i, a in enumerate(self.actions):
@@ -198,14 +197,11 @@ class PipelineExecutor:
                 self._skeleton = self.stack.build(range(len(self.stack)))
         return self._skeleton
 
-    def _dp_span(self, n: int) -> tuple[int, int]:
-        return self.dp.rank * n // self.dp.size, (self.dp.rank + 1) * n // self.dp.size
-
     def state_entries(self, dp_part) -> list:
-        """The flavour's entries of this rank's tensors, completed to the whole model: a
-        tensor held by several stages (a tied copy) is written by the first; one held by
-        the replicas whole is split over dp; others' tensors are empty entries here."""
-        from hpctrain.checkpoint.layout import Entry, numel
+        """The flavour's entries of this rank's tensors (placed: the replicas and the stages
+        holding a tied copy split the writing), completed to the whole model with empty
+        entries for the other stages' tensors."""
+        from hpctrain.checkpoint.layout import Entry
 
         mine = {e.name: e for e in dp_part.state_entries()}
         descr = [[n, list(e.shape), str(e.dtype).replace("torch.", "")] for n, e in mine.items()]
@@ -215,16 +211,9 @@ class PipelineExecutor:
                 holders.setdefault(name, (tuple(shape), getattr(torch, dtype), r))
         out = []
         for name in self._order(holders):
-            shape, dtype, first = holders[name]
+            shape, dtype, _ = holders[name]
             e = mine.get(name)
-            if e is None or first != self.pp.rank:
-                out.append(Entry(name, shape, dtype, None, elems=(0, 0)))
-            elif e.elems is None and e.rows is None:  # replicated over dp: split the writing
-                lo, hi = self._dp_span(numel(shape))
-                out.append(Entry(name, shape, dtype, e.local.detach().reshape(-1)[lo:hi],
-                                 elems=(lo, hi)))
-            else:
-                out.append(e)
+            out.append(e if e is not None else Entry(name, shape, dtype, None, elems=(0, 0)))
         return out
 
     def _order(self, names) -> list:
@@ -401,6 +390,10 @@ def _tie_stages(stack: LayerStack, root: nn.Module, pp):
     with torch.no_grad():
         for t in tied_local:
             sub.broadcast(t.detach(), root=0)
+            # Each stage's copy gets the gradient of its own uses: summed over the holders
+            # at the step, when every stage's schedule is over.
+            place(t, placement_of(t).with_copies(Copies("tied", sub, partial=True,
+                                                        at_step=True)))
     return sub, tied_local
 
 

@@ -10,9 +10,12 @@ Shared by zero (stages 1-3) and fsdp; a strategy picks the knobs (``ShardPlan``)
   ``GatherSchedule`` needs them; the others keep their full buffer and are refreshed from
   the shards after each step.
 - ``shard_comm`` shards the units; ``replicate_comm`` (HYBRID_SHARD, NO_SHARD) all-reduces
-  the reduce-scattered gradient shards over the replicas of each shard; ``partial_comms``
-  (given by a model-parallel transform, e.g. the domain tiles) hold partial gradients of the
-  same parameters, so the shards' gradients are summed over them too.
+  the reduce-scattered gradient shards over the replicas of each shard. Everything else
+  comes from the parameters' placements (placement.py), given by the model-parallel
+  transforms: the groups whose ranks hold partial gradients of the same parameters (the
+  domain tiles; the pipeline stages holding a tied weight, summed only at the step), how
+  much each shard counts in the global norms, and the N-D slice of the global tensor each
+  parameter is in the checkpoint.
 
 Gradients are SUMMED (the loop weights each micro-batch by its share of the global batch).
 Gradient reductions run in one fixed unit order on every rank, whatever parameters each
@@ -32,6 +35,7 @@ from torch import nn
 
 from hpctrain.parallel.base import Parallelized
 from hpctrain.parallel.flat_buffer import FlatUnit
+from hpctrain.parallel.placement import Copies, Placement, entry, global_norm, placement_of
 from hpctrain.parallel.sharded_optim import preserve_elements
 from hpctrain.runtime.malloc import release_free_heap
 
@@ -62,16 +66,26 @@ class ShardPlan:
 
 
 class _UnitState:
-    """Per-step bookkeeping of one unit's gradients."""
+    """Per-step bookkeeping of one unit's gradients, and where its parameters live."""
 
-    def __init__(self, unit: FlatUnit, partial=(), counted: bool = True):
+    def __init__(self, unit: FlatUnit, copies: list, replicas: tuple):
         self.unit = unit
-        self.partial = [c for c in partial if c.size > 1]  # this unit's own partial groups
-        self.counted = counted                 # in norms (a tied copy is not)
+        # Partial groups summed only at the step (ranks running different pipeline stages).
+        self.partial = [c.comm for c in _agreed(unit, copies, at_step=True)]
+        # Each parameter's share in global norms (a tensor-parallel bias held alike by the
+        # tp ranks counts once over them; the flat shards over the shard group are distinct).
+        self.weights = [Placement((), copies=c + replicas).norm_weight for c in copies]
         self.had = [False] * len(unit.slots)   # got a gradient this step (this rank)
         self.arrived: set = set()              # slots whose grad arrived this micro-batch
         self.reduced = False                   # reduce-scattered during the last backward
         self.grad_buf = None                   # persistent_grads: the flat gradient buffer
+
+    def terms(self, flat: torch.Tensor) -> list:
+        """(part of ``flat``, norm weight) pairs for a shard-shaped tensor (norms)."""
+        if len(set(self.weights)) <= 1:
+            return [(flat, self.weights[0] if self.weights else 1.0)]
+        return [(flat[a:b], w) for s, w in zip(self.unit.slots, self.weights)
+                for a, b in self.unit.owned_ranges([s])]
 
 
 class ShardedModel(Parallelized):
@@ -80,24 +94,23 @@ class ShardedModel(Parallelized):
     reshard_after_forward = True  # an executor frees on-demand units after their forward
 
     def __init__(self, model, make_optimizer, world, units, frozen, plan: ShardPlan,
-                 shard_comm=None, replicate_comm=None, schedule=None, partial_comms=(),
-                 specs=None, norm_comms=(), name_of=None):
+                 shard_comm=None, replicate_comm=None, schedule=None, name_of=None):
         self.name = plan.name
         self.plan = plan
         self.world = world
         self.comm = shard_comm if shard_comm is not None else world.comm
         self.replicate = replicate_comm if replicate_comm is not None and replicate_comm.size > 1 \
             else None
-        self.partial = [c for c in partial_comms if c.size > 1]
-        # Groups whose ranks hold DIFFERENT parameters (pipeline stages): norms sum over them.
-        self.norm_comms = [c for c in norm_comms if c.size > 1]
         self.name_of = name_of or (lambda name: name)  # local name -> checkpoint name
         self.units = units
         self.frozen = frozen
         self.schedule = schedule
-        specs = specs or [None] * len(units)
-        self._states = [_UnitState(u, getattr(sp, "partial", ()), getattr(sp, "counted", True))
-                        for u, sp in zip(units, specs)]
+        self._replicas = (Copies("replicate", self.replicate),) if self.replicate else ()
+        self._slot_ids = {id(s.param) for u in units for s in u.slots}
+        copies = [[placement_of(s.param).copies for s in u.slots] for u in units]
+        self._states = [_UnitState(u, c, self._replicas) for u, c in zip(units, copies)]
+        # Partial groups summed with each unit's reduction (the same for every unit).
+        self.partial = _common_partial(units, copies)
         self._micro = 0
         self._final = True
         # The one order in which every rank reduces units: backward's usual order (the last
@@ -274,27 +287,25 @@ class ShardedModel(Parallelized):
             else:  # offloaded shards are unscaled on the host
                 self.world.host.allreduce(t, op="max")
 
-    def _shard_sum(self, values: list[float]) -> list[float]:
-        """Sum per-rank numbers over one copy of the shards (the shard group)."""
-        return self.comm.allreduce_scalars(values) if self.comm.size > 1 else values
-
-    def _norm_sum(self, values: list[float]) -> list[float]:
-        """Sum per-rank numbers over the groups holding different parameters (stages)."""
-        for c in self.norm_comms:
-            values = c.allreduce_scalars(values)
-        return values
-
     def _grad_norm(self) -> float:
-        sq = sum(float(st.unit.shard.grad.detach().double().pow(2).sum()) for st in self._states
-                 if st.counted and st.unit.shard.grad is not None)
-        return math.sqrt(self._norm_sum(self._shard_sum([sq]))[0])
+        # Each shard's squares weighted by its placement, summed over the job: every element
+        # counts once, over shards, replicas, domain tiles, stages and tied copies alike.
+        return global_norm([t for st in self._states if st.unit.shard.grad is not None
+                            for t in st.terms(st.unit.shard.grad)], self.job_comm)
+
+    def _placement(self, t: torch.Tensor) -> Placement:
+        """Where t lives: a sharded parameter is flat-sharded over the shard group (its
+        elements there are distinct) and held alike by the replicas; anything else (buffers,
+        frozen parameters) every rank of the shard group holds whole too."""
+        if id(t) in self._slot_ids:
+            return placement_of(t).with_copies(*self._replicas)
+        return placement_of(t).with_copies(Copies("dp", self.comm), *self._replicas)
 
     def buffer_norm(self) -> float:
-        """Global L2 norm of the floating buffers (summed over stages); collective."""
+        """Global L2 norm of the floating buffers; collective."""
         with torch.no_grad():
-            sq = sum(float(b.detach().double().pow(2).sum()) for b in self.model.buffers()
-                     if b.is_floating_point())
-        return math.sqrt(self._agree(self._norm_sum([sq])[0]))
+            return global_norm([(b, self._placement(b).norm_weight) for b in self.model.buffers()
+                                if b.is_floating_point()], self.job_comm)
 
     def _clip(self, max_norm: float) -> float:
         norm = self._grad_norm()
@@ -349,53 +360,40 @@ class ShardedModel(Parallelized):
     def _slot_of(self) -> dict:
         return {id(s.param): (u, s) for u in self.units for s in u.slots}
 
-    def _writes(self) -> bool:
-        """Whether this rank writes its shards: one replica of each shard group does."""
-        return (self.replicate is None or self.replicate.rank == 0) and \
-            all(c.rank == 0 for c in self.partial)
-
-    def _shard_entry(self, name: str, shape: tuple, flat: torch.Tensor, elems: tuple):
-        """An Entry for this rank's elements of a sharded tensor (see state_entries)."""
-        from hpctrain.checkpoint.layout import Entry
-
-        a, b = elems
-        if self.comm.size == 1:  # not sharded (NO_SHARD, one rank): the writer splits it
-            return Entry(name, shape, flat.dtype, flat.reshape(shape))
-        if not self._writes():
-            return Entry(name, shape, flat.dtype, flat[:0], elems=(a, a))
-        return Entry(name, shape, flat.dtype, flat, elems=(a, b))
-
     def state_entries(self) -> list:
-        """Checkpoint entries named as base.py names them; shards give their owned elements."""
-        from hpctrain.checkpoint.layout import Entry
-
+        """Checkpoint entries named as base.py names them, placed by placement.entry: shards
+        give their owned elements of the parameter's slice of the global tensor."""
         slot_of, entries, seen = self._slot_of(), [], set()
+        job = self.world.size
         for key, t in self.model.state_dict(keep_vars=True).items():
             if id(t) in seen:
                 continue
             seen.add(id(t))
+            name = f"model/{self.name_of(key)}"
             if id(t) in slot_of:
                 u, s = slot_of[id(t)]
                 elems, view = u.shard_view(s)
-                entries.append(self._shard_entry(f"model/{self.name_of(key)}", s.shape, view,
-                                                 elems))
+                entries.append(entry(name, view, self._placement(s.param), elems, job, s.shape))
             else:
-                entries.append(Entry(f"model/{self.name_of(key)}", tuple(t.shape), t.dtype,
-                                     t.detach()))
-        for u in self.units:
+                entries.append(entry(name, t.detach(), self._placement(t), None, job))
+        for st in self._states:
+            u = st.unit
             state = self.optimizer.state.get(u.shard, {})
             for s in u.slots:
                 (a, b), _ = u.shard_view(s)
                 start = s.offset + a - u.lo
+                placed = self._placement(s.param)
                 for k, v in sorted(state.items()):
                     if not torch.is_tensor(v):
                         continue
                     name = f"optim/{self.name_of(s.name)}/{k}"
                     if v.shape == u.shard.shape:
-                        entries.append(self._shard_entry(name, s.shape,
-                                                         v.detach()[start:start + (b - a)], (a, b)))
+                        entries.append(entry(name, v.detach()[start:start + (b - a)], placed,
+                                             (a, b), job, s.shape))
                     else:  # a per-shard scalar such as Adam's step: the same on every rank
-                        entries.append(Entry(name, tuple(v.shape), v.dtype, v.detach()))
+                        scalar = placement_of(s.param).scalar(tuple(v.shape)).with_copies(
+                            Copies("dp", self.comm), *self._replicas)
+                        entries.append(entry(name, v.detach(), scalar, None, job))
         return entries
 
     def state_meta(self) -> dict:
@@ -420,11 +418,14 @@ class ShardedModel(Parallelized):
                 if id(t) in slot_of:
                     u, s = slot_of[id(t)]
                     elems, view = u.shard_view(s)
-                    a = reader.read(name, s.shape, elems=elems)
+                    placed = placement_of(s.param)
+                    a = reader.read(name, placed.global_shape, elems=elems,
+                                    box=placed.box(s.shape))
                     if a is not None and view.numel():
                         view.copy_(from_numpy(a, view.dtype).reshape(view.shape))
                 else:
-                    a = reader.read(name, tuple(t.shape))
+                    placed = placement_of(t)
+                    a = reader.read(name, placed.global_shape, box=placed.box(tuple(t.shape)))
                     if a is not None:
                         t.detach().copy_(from_numpy(a, t.dtype).reshape(t.shape))
             for u in self.units:
@@ -451,14 +452,11 @@ class ShardedModel(Parallelized):
     # ---- norms and memory --------------------------------------------------------------
 
     def param_norm(self) -> float:
-        """Global L2 norm of all parameters: shards summed over ranks, frozen ones once;
-        collective."""
+        """Global L2 norm of all parameters (each element once); collective."""
         with torch.no_grad():
-            sq = sum(float(st.unit.shard.detach().double().pow(2).sum()) for st in self._states
-                     if st.counted)
-            sq = self._shard_sum([sq])[0]
-            sq += sum(float(p.detach().double().pow(2).sum()) for _, p in self.frozen)
-        return math.sqrt(self._agree(self._norm_sum([sq])[0]))
+            return global_norm([t for st in self._states for t in st.terms(st.unit.shard)] +
+                               [(p, self._placement(p).norm_weight) for _, p in self.frozen],
+                               self.job_comm)
 
     def memory_report(self) -> dict:
         """Bytes this rank holds for trainable params and optimizer state, the gradients alive
@@ -473,7 +471,8 @@ class ShardedModel(Parallelized):
         return {"stage": self.plan.stage, "strategy": self.name, "world_size": self.world.size,
                 "shard_group": self.comm.size,
                 "replicas": self.replicate.size if self.replicate is not None else 1,
-                "partial_groups": [c.size for c in self.partial],
+                "partial_groups": [c.size for c in self.partial] +
+                                  sorted({c.size for st in self._states for c in st.partial}),
                 "trainable_numel": sum(u.numel for u in self.units),
                 "padded_numel": sum(u.padded for u in self.units),
                 "params": params, "grads": self._grad_bytes, "optimizer": optim,
@@ -481,6 +480,28 @@ class ShardedModel(Parallelized):
                 "peak_gathered": self.schedule.peak_gathered if self.schedule else 0,
                 "transient_grad_bucket": self._peak_transient,
                 "frozen_params": nbytes([p for _, p in self.frozen])}
+
+
+def _agreed(u: FlatUnit, copies: list, at_step: bool) -> tuple:
+    """The partial groups (summed at the step or with the reduction) of a unit's parameters:
+    one flat buffer is reduced over one set of groups, so they must agree."""
+    found = {tuple(c for c in cs if c.partial and c.at_step == at_step) for cs in copies}
+    if len(found) > 1:
+        raise ValueError(f"unit {u.name!r} mixes parameters whose gradients are partial over "
+                         f"different groups ({sorted(str(f) for f in found)}); a transform must "
+                         f"give them units of their own")
+    return found.pop() if found else ()
+
+
+def _common_partial(units: list, copies: list) -> list:
+    """The partial groups summed with every unit's reduction: the same for all units (a
+    model-parallel transform places all of its parameters alike)."""
+    early = {_agreed(u, c, at_step=False) for u, c in zip(units, copies)}
+    if len(early) > 1:
+        raise ValueError("the model's units have gradients partial over different groups "
+                         f"({sorted(str(e) for e in early)}); a model-parallel transform must "
+                         f"place all the parameters the data-parallel flavour shards alike")
+    return [c.comm for c in early.pop()] if early else []
 
 
 def _guard_freed_params(model: nn.Module, units: list) -> None:
@@ -561,12 +582,13 @@ def read_shard_state(reader, u: FlatUnit, name_of=None) -> dict:
         for k in reader.keys(f"optim/{param}"):
             name = f"optim/{param}/{k}"
             dtype = getattr(torch, reader.dataset(name).attrs["torch_dtype"])
-            if tuple(reader.dataset(name).shape) != tuple(s.shape):
+            placed = placement_of(s.param)
+            if tuple(reader.dataset(name).shape) != tuple(placed.global_shape):
                 arr = reader.read(name)  # a scalar (Adam's step), kept on the CPU
                 if arr is not None:
                     state[k] = from_numpy(np.asarray(arr), dtype).clone()
                 continue
-            arr = reader.read(name, s.shape, elems=(a, b))
+            arr = reader.read(name, placed.global_shape, elems=(a, b), box=placed.box(s.shape))
             buf = state.setdefault(k, torch.zeros(u.shard.shape, dtype=dtype,
                                                   device=u.shard.device))
             if arr is not None and b > a:
