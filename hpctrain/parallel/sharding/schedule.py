@@ -19,17 +19,32 @@ every rank walks in full in each forward and each backward, whatever modules it 
   the gathers and the reductions share one stream, as they share the communicator. A close
   happens when the unit's gradients are complete and the stream has reached it, or when a
   later event must happen first (it then reduces what arrived: nothing, on a rank that skipped
-  the unit); the end of backward (``finish_backward``) walks the rest. Gradients that arrive
-  after their unit's close (a unit whose backward runs out of the canonical order) are
-  reduced once more at the step, on every rank (the engine agrees on which).
+  the unit); the end of backward (``finish_backward``) walks the rest and frees every unit.
+  A unit this rank skipped is gathered at its place and freed at once; a unit that ran but
+  is passed before its backward comes, or closed before its gradients are all in (a
+  parameter without gradient), stays gathered until the end of backward (no second gather).
+  Gradients that arrive after their unit's close (a unit whose backward runs out of the
+  canonical order) are reduced once more at the step, on every rank (the engine agrees on
+  which in the flag all-reduce the step does anyway). BACKWARD_PRE prefetch moves each gather
+  one gather earlier in the stream (the same on every rank). In grad accumulation's earlier
+  micro-batches a close only frees.
+- a recompute (activation checkpointing) runs inside backward: its gathers are part of the
+  backward stream, and the unit stays gathered for its backward that follows.
+- a forward under ``torch.no_grad`` (evaluation) walks the forward stream in full too, so
+  ranks may evaluate different branches; under SHARD_GRAD_OP every unit then stays gathered,
+  on every rank, until the next backward or step frees them.
 
 So ranks may skip any units, as long as the units each rank runs run in the canonical
-order. A unit that runs again after the stream has passed it and freed it (used twice in
-one forward, a module run out of registration order, a second forward before one backward)
-is gathered once more, out of the stream: safe when every rank does the same (the same
-graph everywhere, as all models before data-dependent branches), a mismatch or a hang when
-only some ranks do. Ranks' counts of such gathers are compared at each step, and a
-difference raises (``ooo_gathers``) instead of training on silently wrong parameters.
+order, once per forward, with one forward per backward. A unit that runs again after the
+stream has passed it and freed it (used twice in one forward under FULL_SHARD / zero3, a
+module run out of registration order, a second forward before one backward) is gathered once
+more, out of the stream: safe when every rank does the same (the same graph everywhere, as
+all models without data-dependent branches: they keep training as before, at the cost of
+that extra gather), a mismatched pairing or a hang when only some ranks do (say a
+data-dependent number of loop iterations over one block). That cannot be seen before the
+collectives are issued; the ranks' counts of such gathers are compared at each step and a
+difference raises (``ooo_gathers``) where the run did not hang first, instead of training
+on silently wrong parameters.
 """
 
 from __future__ import annotations
