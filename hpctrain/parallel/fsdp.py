@@ -135,7 +135,8 @@ def wrap(model: nn.Module, make_optimizer: OptimizerFactory, world,
     if sharded and not external:
         schedule = GatherSchedule(specs, units,
                                   reshard_after_forward=opts.sharding_strategy != "SHARD_GRAD_OP",
-                                  prefetch=opts.backward_prefetch == "BACKWARD_PRE")
+                                  prefetch=opts.backward_prefetch == "BACKWARD_PRE",
+                                  root=model)
     elif sharded:
         for u in units:  # the executor gathers each unit when its layers run
             u.free()

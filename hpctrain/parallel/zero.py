@@ -105,7 +105,8 @@ def wrap(model: nn.Module, make_optimizer: OptimizerFactory, world, options: Zer
     external = units is not None
     model, specs, frozen = prepare_model(model, world, opts, groups, units)
     flat = [FlatUnit(s.name, s.params, groups.dp, keep_full=opts.stage < 3) for s in specs]
-    schedule = GatherSchedule(specs, flat) if opts.stage == 3 and not external else None
+    schedule = GatherSchedule(specs, flat, root=model) if opts.stage == 3 and not external \
+        else None
     if opts.stage == 3 and external:
         for u in flat:  # the executor gathers each unit when its layers run
             u.free()

@@ -19,8 +19,14 @@ Shared by zero (stages 1-3) and fsdp; a strategy picks the knobs (``ShardPlan``)
 
 Gradients are SUMMED (the loop weights each micro-batch by its share of the global batch).
 Gradient reductions run in one fixed unit order on every rank, whatever parameters each
-rank's graph used; zero3's gathers follow the modules that run, so under stage 3 every rank
-must run the same modules.
+rank's graph used, so a branch taken on some ranks only (data-dependent unused parameters)
+neither deadlocks nor pairs mismatched collectives. On-demand units driven by the
+``GatherSchedule`` (zero3, fsdp FULL_SHARD / SHARD_GRAD_OP / HYBRID_SHARD) interleave their
+gathers with those reductions in one canonical stream that every rank walks in full, forward
+and backward (see ``schedule``): a unit is reduced at its CLOSE in that stream; gradients that
+arrive after it (a unit whose backward runs out of the canonical order) are reduced again at
+the step on every rank, the ranks agreeing on which in the one flag all-reduce the step does
+anyway (parameters that got no gradient anywhere).
 """
 
 from __future__ import annotations
@@ -78,6 +84,7 @@ class _UnitState:
         self.had = [False] * len(unit.slots)   # got a gradient this step (this rank)
         self.arrived: set = set()              # slots whose grad arrived this micro-batch
         self.reduced = False                   # reduce-scattered during the last backward
+        self.late = False                      # gradients arrived after its close (schedule)
         self.grad_buf = None                   # persistent_grads: the flat gradient buffer
 
     def terms(self, flat: torch.Tensor) -> list:
@@ -120,6 +127,12 @@ class ShardedModel(Parallelized):
         # only) still issue the same collectives in the same order: no deadlock, no mismatch.
         n = len(units)
         self._order = list(range(n - 2, -1, -1)) + [n - 1] if n > 1 else list(range(n))
+        # A GatherSchedule's stream closes (reduces) the units in its own canonical order.
+        self._streamed = schedule is not None and plan.hook_reduce and not plan.persistent_grads
+        if self._streamed:
+            self._order = schedule.close_order()
+            schedule.on_close = self._close
+        self._agreed = None  # the step's agreed flags (_agree_flags), for _untouched
         self._next = 0  # position in _order of the next unit to reduce in this backward
         self._peak_transient = 0
         self._grad_bytes = 0
@@ -144,9 +157,11 @@ class ShardedModel(Parallelized):
         self._next = 0
         for st in self._states:
             st.arrived = set()
+        if self.schedule is not None:
+            self.schedule.begin_backward()
         loss.backward()
         if self.schedule is not None:
-            self.schedule.reset_order()
+            self.schedule.finish_backward()  # the rest of the stream: same on every rank
         self._micro += 1
 
     def _on_grad(self, i: int, j: int, param: nn.Parameter) -> None:
@@ -155,6 +170,12 @@ class ShardedModel(Parallelized):
         if self.plan.persistent_grads or not self.plan.hook_reduce:
             return
         st.arrived.add(j)
+        if self._streamed:
+            if i in self.schedule.closed:
+                st.late = st.late or self._final  # reduced again at the step (_sync_grads)
+            elif len(st.arrived) == len(st.unit.slots):
+                self.schedule.complete(i)  # closes it (frees, reduces) when the stream may
+            return
         if len(st.arrived) == len(st.unit.slots):
             # Its backward is over (every use of its params is done): free the gathered
             # params BEFORE its gradients are reduced, so the two never coexist longer.
@@ -163,6 +184,15 @@ class ShardedModel(Parallelized):
             if self._final:  # non-final micro-batches accumulate locally: no communication
                 self._reduce_ready()
             release_free_heap()  # the activations freed so far: before the next unit's peak
+
+    def _close(self, i: int) -> None:
+        """The schedule closed unit i (freed it): in the step's last backward, reduce what
+        arrived (collective; its place in the stream is the same on every rank)."""
+        st = self._states[i]
+        if self._final and not st.reduced:
+            self._reduce(st)
+            st.reduced = True
+            release_free_heap()
 
     def _reduce_ready(self) -> None:
         """Reduce, in the fixed order, every unit that is complete and whose predecessors
@@ -225,8 +255,9 @@ class ShardedModel(Parallelized):
         # Reduce what the hooks did not: persistent gradients always, other units with a
         # parameter that got no gradient in the last backward (or leftovers of earlier
         # micro-batches). Whether a hook reduced a unit is the same on every rank: it was a
-        # collective.
-        for st in (self._states[i] for i in self._order):
+        # collective. Under a schedule, units with late gradients on any rank, again.
+        late = self._agree_flags() if self._streamed else [False] * len(self._states)
+        for st, again in ((self._states[i], late[i]) for i in self._order):
             u = st.unit
             if self.plan.persistent_grads:
                 u.reduce_grad_buffer(st.grad_buf, self.comm)
@@ -234,9 +265,9 @@ class ShardedModel(Parallelized):
                         self.partial:
                     c.allreduce(u.shard.grad, op="sum")  # a view of grad_buf: in place
                 continue
-            if not st.reduced:
+            if not st.reduced or again:
                 self._reduce(st)
-            st.reduced = False
+            st.reduced = st.late = False
             if self.plan.on_demand:
                 u.free()
             if u.shard.grad is None:
@@ -249,15 +280,45 @@ class ShardedModel(Parallelized):
 
     # ---- the step ----------------------------------------------------------------------
 
+    def _agree_flags(self) -> list[bool]:
+        """One all-reduce (MAX) over every rank holding the same units (shards, replicas,
+        partials) of the step's per-parameter 'got a gradient' flags, kept for _untouched,
+        each unit's 'late gradients' flag and the schedule's count of out-of-stream gathers;
+        returns the late flags. Raises if the ranks' out-of-stream gathers differ."""
+        n = sum(len(st.had) for st in self._states)
+        ooo = self.schedule.ooo_gathers % 256 if self.schedule is not None else 0
+        flags = torch.tensor([h for st in self._states for h in st.had] +
+                             [st.late for st in self._states] + [ooo, 255 - ooo],
+                             dtype=torch.uint8, device=self.comm.device)
+        for c in [self.comm, self.replicate, *self.partial]:
+            if c is not None and c.size > 1:
+                c.allreduce(flags, op="max")
+        if self.schedule is not None:
+            self.schedule.ooo_gathers = 0
+        got = flags.tolist()
+        self._agreed = flags[:n].clone()
+        if got[-2] + got[-1] != 255:  # not every rank had the same count
+            raise RuntimeError(
+                f"{self.name}: the ranks gathered sharded units out of the canonical order a "
+                "different number of times in this step, so their all-gathers were paired "
+                "mismatched: a unit ran again after the gather stream had passed it (used "
+                "twice, or a module run out of registration order) on some ranks only. Make "
+                "such reuse the same on every rank, or register modules in the order they "
+                "run (see hpctrain.parallel.sharding.schedule)")
+        return [bool(f) for f in got[n:n + len(self._states)]]
+
     def _untouched(self) -> tuple[dict, list]:
         """({shard: shard-local ranges} of parameters that got no gradient on ANY rank, the
         shards of units none of whose parameters got one)."""
-        had = torch.tensor([h for st in self._states for h in st.had], dtype=torch.uint8,
-                           device=self.comm.device)
-        if len(had):  # over every rank holding the same units: shards, replicas, partials
+        if self._agreed is not None:  # agreed by _sync_grads in this step
+            had, self._agreed = self._agreed, None
+        else:
+            had = torch.tensor([h for st in self._states for h in st.had], dtype=torch.uint8,
+                               device=self.comm.device)
             for c in [self.comm, self.replicate, *self.partial]:
-                if c is not None and c.size > 1:
+                if len(had) and c is not None and c.size > 1:
                     c.allreduce(had, op="max")
+        if len(had):  # over every rank holding the same units: shards, replicas, partials
             k = 0
             for st in self._states:  # a tied copy: also over the stages holding one
                 n = len(st.had)
