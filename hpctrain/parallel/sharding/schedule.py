@@ -23,9 +23,10 @@ class GatherSchedule:
     gradient of its output arrives (zero3, FULL_SHARD); otherwise it stays gathered until its
     backward is over (SHARD_GRAD_OP). ``prefetch``: when a unit is re-gathered for backward,
     also gather the unit that backward reaches next (the one whose forward finished just
-    before), so its all-gather is issued before this unit's backward computes. The
-    Communicator has no non-blocking all-gather, so the prefetch is ordered ahead, not
-    overlapped. Every rank runs the same graph, so the collectives agree.
+    before), so its all-gather is issued before this unit's backward computes: a
+    non-blocking one (``FlatUnit.gather_start``) that overlaps that backward and is completed
+    when that unit's own backward gathers it. Every rank runs the same graph, so the
+    collectives agree.
     """
 
     def __init__(self, specs, units, reshard_after_forward: bool = True, prefetch: bool = False):
@@ -40,10 +41,15 @@ class GatherSchedule:
             spec.module.register_forward_hook(partial(self._after_forward, unit))
             unit.free()
 
-    def gather(self, unit) -> None:
-        """Gather unit (no-op when gathered) and track the bytes gathered at once."""
-        unit.gather()
-        held = sum(u.full_bytes() for u in self.units if u.gathered and not u.keep_full)
+    def gather(self, unit, start: bool = False) -> None:
+        """Gather unit (no-op when gathered; ``start``: only start it) and track the bytes
+        gathered at once."""
+        if start:
+            unit.gather_start()
+        else:
+            unit.gather()
+        held = sum(u.full_bytes() for u in self.units
+                   if (u.gathered or u.pending) and not u.keep_full)
         self.peak_gathered = max(self.peak_gathered, held)
 
     def _before_forward(self, unit, module, args) -> None:
@@ -73,7 +79,7 @@ class GatherSchedule:
             self._prefetched.add(id(unit))
             k = self.order.index(unit)
             if k > 0:
-                self.gather(self.order[k - 1])
+                self.gather(self.order[k - 1], start=True)
 
     def reset_order(self) -> None:
         """Forget the recorded forward order (called after each backward)."""
