@@ -49,6 +49,7 @@ from torch import nn
 from hpctrain.parallel.base import Parallelized
 from hpctrain.parallel.flat_buffer import FlatUnit
 from hpctrain.parallel.sharded_optim import preserve_elements
+from hpctrain.runtime.comm.idle import wait_idle
 from hpctrain.runtime.malloc import release_free_heap
 
 __all__ = ["ShardPlan", "ShardedModel", "broadcast_state", "nbytes", "read_shard_state",
@@ -289,9 +290,17 @@ class ShardedModel(Parallelized):
         while self._inflight and self._inflight_bytes + nbytes > _INFLIGHT_BYTES:
             self._complete_oldest()
 
+    def _wait(self, req) -> None:
+        """Complete req. On CPU ranks poll with naps (``wait_idle``) instead of MPI's busy
+        wait: the rank it waits for computes on the same cores (ranks >= cores), and a
+        spinning waiter slows that rank down."""
+        if self.comm.device.type == "cpu":
+            wait_idle(req)
+        req.wait()
+
     def _complete_oldest(self) -> None:
         job, req, nb = self._inflight.popleft()
-        req.wait()
+        self._wait(req)
         self._inflight_bytes -= nb
         job.left -= 1
         if job.left == 0:  # its shard gradient is reduced over the shard group
@@ -301,7 +310,7 @@ class ShardedModel(Parallelized):
         """Start the unit's next all-reduce over replicas / partial groups (it needs the
         previous one complete: wait for it here)."""
         if job.req is not None:
-            job.req.wait()
+            self._wait(job.req)
             job.req = None
         if job.stages:
             job.req = job.stages.pop(0).iallreduce(job.part, op="sum")
