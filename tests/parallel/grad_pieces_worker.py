@@ -3,7 +3,8 @@ slice of the summed gradients, for pieces of the default size and for tiny piece
 them, a short last one, padding in the last rank's shard, a piece straddling two params),
 whether the reductions started in the backward hooks run far ahead of their completion
 (the default cap on bytes in flight) or are forced to complete after a few pieces (a tiny
-cap), and when a second backward runs before the step; the bytes in flight
+cap), and when a second backward runs before the step (zero1: reduced at the step, as
+before); the bytes in flight
 (transient_grad_bucket) stay within the cap; the blocking reduce_scatter_grads gives the
 same shards bit for bit (2 ranks: two summands add the same in any order)."""
 
@@ -70,7 +71,7 @@ CASES = [(DEFAULT_PIECE, DEFAULT_CAP, 1), (64, DEFAULT_CAP, 1), (64, 3 * 64, 1),
 for piece, cap, calls in CASES:
     # 64 bytes: 4 elements per rank per piece at 4 ranks; cap 3 pieces: a hook completes
     # the oldest pieces before it starts more. calls=2: a second backward before the step
-    # (its hooks start the units again; zero1 sets the first reduction aside).
+    # (its hooks start the units again, adding to the first reduction).
     engine._PIECE_BYTES = piece
     engine._MIN_RANK_PIECE_BYTES = 4 if piece < DEFAULT_PIECE else DEFAULT_MIN
     engine._INFLIGHT_BYTES = cap
@@ -85,8 +86,8 @@ for piece, cap, calls in CASES:
                    options(strategy))
         for _ in range(calls):
             par.backward(par.model(x).square().sum())
-        # Started in the hooks (zero1 too), in flight until the synchronize.
-        assert all(st.reduced for st in par._states) and par._jobs, strategy
+        if strategy != "zero1":  # started in the hooks, in flight until the synchronize
+            assert all(st.reduced for st in par._states) and par._jobs, strategy
         par._sync_grads()
         assert not par._jobs and not par._inflight and par._inflight_bytes == 0, strategy
         blocking = blocking_shards(blk_model, x) if N > 1 else None
@@ -103,8 +104,8 @@ for piece, cap, calls in CASES:
                 assert torch.equal(got, blocking[k]), (strategy, piece, cap, u.name)
             checked += 1
         rep = par.memory_report()
-        if N > 1:
-            # The pieces in flight never exceed the cap (at least one piece of at least one
+        if N > 1 and strategy != "zero1":  # zero1 reduces its flat buffers at the step
+            # The bytes in flight never exceed the cap (at least one piece of at least one
             # element per rank gets through).
             assert rep["transient_grad_bucket"] <= max(cap, piece, 4 * N), \
                 (strategy, piece, cap, rep)
