@@ -64,8 +64,10 @@ _PIECE_BYTES = 1 << 20
 _MIN_RANK_PIECE_BYTES = 1 << 18
 # Piece bytes in flight (started, not yet completed) in the overlapped reduction: a piece
 # that would pass this first completes the oldest ones (at least one piece is always let
-# through). It bounds the transient next to the gradients; more in flight only lets a
-# reduction lag further behind backward.
+# through). It bounds the transient next to the gradients (the completed pieces' buffers,
+# kept for reuse, stay within it too; a backend may stage up to as much again to receive,
+# as the MPI backend's pairwise exchange does); more in flight only lets a reduction lag
+# further behind backward.
 _INFLIGHT_BYTES = 1 << 24
 
 
