@@ -96,38 +96,87 @@ class FlatUnit:
             self.shard = nn.Parameter(master[self.lo:self.hi].to(sdevice, copy=True))
         del master
         self.gathered = True
+        self._pending = None  # a started gather: (request, staging tensor or None)
         self._nbytes = self.full.untyped_storage().nbytes()
 
     # ---- the full buffer ---------------------------------------------------------------
 
     def gather(self) -> None:
-        """Fill the full buffer from every rank's shard (collective over comm)."""
+        """Fill the full buffer from every rank's shard (collective over comm); completes a
+        gather started by ``gather_start`` instead when there is one."""
+        if self._pending is not None:
+            self.gather_wait()
+            return
         if not self.keep_full and self.gathered:
             return
-        storage = self.full.untyped_storage()
-        if storage.nbytes() != self._nbytes:
-            storage.resize_(self._nbytes)  # the same storage: autograd's saved views stay valid
         if self.keep_full:
+            self._resize_full()
             self.comm.allgather(self.shard.detach().clone(), out=self.full)
             self.gathered = True
             return
+        self._land(self._gather_into(blocking=True))
+
+    def gather_start(self) -> None:
+        """Start filling the full buffer (non-blocking collective over comm: every rank
+        starts it in the same order relative to the comm's other collectives); ``gather()``
+        or ``gather_wait()`` completes it. Its memory is allocated now (``pending``). A unit
+        that keeps its full buffer gathers at once."""
+        if self._pending is not None or (self.gathered and not self.keep_full):
+            return
+        if self.keep_full:
+            self.gather()
+            return
+        self._pending = self._gather_into(blocking=False)
+
+    def gather_wait(self) -> None:
+        """Complete a gather started by ``gather_start`` (no-op when none is pending)."""
+        if self._pending is None:
+            return
+        req, tmp = self._pending
+        self._pending = None
+        req.wait()
+        self._land(tmp)
+
+    @property
+    def pending(self) -> bool:
+        """A gather is started and not yet completed (the full buffer is allocated)."""
+        return self._pending is not None
+
+    def _resize_full(self) -> None:
+        storage = self.full.untyped_storage()
+        if storage.nbytes() != self._nbytes:
+            storage.resize_(self._nbytes)  # the same storage: autograd's saved views stay valid
+
+    def _gather_into(self, blocking: bool):
+        """All-gather a sharded unit's shards into its full buffer: blocking, the tensor to
+        copy in (None: gathered in place); non-blocking, (request, that tensor) started."""
+        self._resize_full()
         src = self.shard.detach()
         if src.dtype != self.full.dtype or src.device != self.full.device:
             src = src.to(self.full.device, self.full.dtype)  # mixed precision / offload
+        gather = self.comm.allgather if blocking else self.comm.iallgather
         if self.full.device.type == "cpu":
             # The MPI backend hands numpy views to MPI, and a numpy view makes a storage
             # non-resizable for good: gather into an alias of the same memory with its own
-            # storage instead (no second full-size buffer). Writing through the alias keeps
-            # full's version counter (the values are the ones autograd saved before the free).
-            self.comm.allgather(src, out=_alias(self.full))
-        else:
-            tmp = self.comm.allgather(src)
+            # storage instead (no second full-size buffer; a request keeps the alias).
+            # Writing through the alias keeps full's version counter (the values are the
+            # ones autograd saved before the free).
+            got = gather(src, out=_alias(self.full))  # the alias, or the request
+            return None if blocking else (got, None)
+        got = gather(src)  # a new tensor, or the request of one
+        return got if blocking else (got, got.out)
+
+    def _land(self, tmp) -> None:
+        """The gather is complete: copy a staged result into the full buffer."""
+        if tmp is not None:
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full):
                 self.full.copy_(tmp)
         self.gathered = True
 
     def free(self) -> None:
-        """Release the full buffer's memory (sharded units only; the shard keeps the values)."""
+        """Release the full buffer's memory (sharded units only; the shard keeps the values).
+        A started gather is completed first (its collective must complete on every rank)."""
+        self.gather_wait()
         if self.keep_full or not self.gathered:
             return
         self.full.untyped_storage().resize_(0)

@@ -27,14 +27,15 @@ def formula(strategy, psi):
 
 
 class Counting:
-    """Wraps a communicator and counts the gradient collectives that go through it."""
+    """Wraps a communicator and counts the gradient collectives that go through it (the
+    engine starts them non-blocking in the hooks)."""
 
     def __init__(self, comm):
         self.comm, self.calls = comm, []
 
     def __getattr__(self, name):
         attr = getattr(self.comm, name)
-        if name in ("reduce_scatter", "allreduce"):
+        if name in ("reduce_scatter", "allreduce", "ireduce_scatter", "iallreduce"):
             def counted(*a, **k):
                 self.calls.append(name)
                 return attr(*a, **k)
@@ -74,6 +75,8 @@ for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"):
         par.backward(lm_loss(par.model(x), y) / (2 * N))
         counted = par.comm.calls + (par.replicate.calls if par.replicate is not None else [])
         assert counted, f"{strategy}: the final micro-batch reduced nothing"
+        # A prefetch started non-blocking (gather_start) was completed by its unit's backward.
+        assert not any(u.pending for u in par.units), strategy
         left = [n for n, p in model.named_parameters() if p.grad is not None]
         assert not left, f"{strategy} kept full gradients after backward: {left}"
         if sharded and par.comm.size > 1:

@@ -1,7 +1,12 @@
 """Under mpirun: the sharded engine's piecewise reduce-scatter gives every rank exactly its
 slice of the summed gradients, for pieces of the default size and for tiny pieces (many of
 them, a short last one, padding in the last rank's shard, a piece straddling two params),
-and its transient packing buffer stays within the piece size."""
+whether the reductions started in the backward hooks run far ahead of their completion
+(the default cap on bytes in flight) or are forced to complete after a few pieces (a tiny
+cap), and when a second backward runs before the step (zero1: reduced at the step, as
+before); the bytes in flight
+(transient_grad_bucket) stay within the cap; the blocking reduce_scatter_grads gives the
+same shards bit for bit (2 ranks: two summands add the same in any order)."""
 
 import copy
 import sys
@@ -18,6 +23,7 @@ from hpctrain.runtime.world import init_world
 world = init_world()
 N = world.size
 DEFAULT_PIECE, DEFAULT_MIN = engine._PIECE_BYTES, engine._MIN_RANK_PIECE_BYTES
+DEFAULT_CAP = engine._INFLIGHT_BYTES
 
 
 class Net(nn.Module):
@@ -47,32 +53,62 @@ def options(strategy):
     return ZeroOptions(stage=int(strategy[-1]))
 
 
+def blocking_shards(model, x):
+    """The blocking path's shard gradients (reduce_scatter_grads) on an unsharded copy."""
+    from hpctrain.parallel.flat_buffer import FlatUnit
+
+    model(x).square().sum().backward()
+    out = []
+    for block in model.blocks:
+        u = FlatUnit("u", list(block.named_parameters()), world.comm, keep_full=True)
+        out.append(engine.reduce_scatter_grads(u, world.comm)[0])
+    return out
+
+
 checked = 0
-for piece in (DEFAULT_PIECE, 64):  # 64 bytes: 4 elements per rank per piece at 4 ranks
+CASES = [(DEFAULT_PIECE, DEFAULT_CAP, 1), (64, DEFAULT_CAP, 1), (64, 3 * 64, 1),
+         (64, 3 * 64, 2)]
+for piece, cap, calls in CASES:
+    # 64 bytes: 4 elements per rank per piece at 4 ranks; cap 3 pieces: a hook completes
+    # the oldest pieces before it starts more. calls=2: a second backward before the step
+    # (its hooks start the units again, adding to the first reduction).
     engine._PIECE_BYTES = piece
     engine._MIN_RANK_PIECE_BYTES = 4 if piece < DEFAULT_PIECE else DEFAULT_MIN
-    for strategy in ("zero2", "zero3", "fsdp"):
+    engine._INFLIGHT_BYTES = cap
+    for strategy in ("zero1", "zero2", "zero3", "fsdp"):
         torch.manual_seed(0)
         model = Net()
         ref_model = copy.deepcopy(model)
+        blk_model = copy.deepcopy(model)
         x = torch.randn(5, 37, generator=torch.Generator().manual_seed(10 + world.rank))
         want = reference_grads(ref_model, x)
         par = wrap(strategy, model, lambda ps: torch.optim.SGD(ps, lr=0.1), world,
                    options(strategy))
-        par.backward(par.model(x).square().sum())
-        for u in par.units:
+        for _ in range(calls):
+            par.backward(par.model(x).square().sum())
+        if strategy != "zero1":  # started in the hooks, in flight until the synchronize
+            assert all(st.reduced for st in par._states) and par._jobs, strategy
+        par._sync_grads()
+        assert not par._jobs and not par._inflight and par._inflight_bytes == 0, strategy
+        blocking = blocking_shards(blk_model, x) if N > 1 else None
+        for k, u in enumerate(par.units):
+            assert u.slots[0].name == f"blocks.{k}.weight", [v.name for v in par.units]
             flat = torch.zeros(u.padded)
             for s in u.slots:
-                flat[s.offset:s.offset + s.numel] = want[s.name].reshape(-1)
+                flat[s.offset:s.offset + s.numel] = calls * want[s.name].reshape(-1)
             got = u.shard.grad
             assert got is not None, (strategy, piece, u.name)
             torch.testing.assert_close(got, flat[u.lo:u.hi], rtol=1e-6, atol=1e-6,
                                        msg=f"{strategy} piece={piece} unit {u.name}")
+            if blocking is not None and N == 2 and calls == 1:  # two summands: any order is the same sum
+                assert torch.equal(got, blocking[k]), (strategy, piece, cap, u.name)
             checked += 1
         rep = par.memory_report()
-        if N > 1:
-            # The packing buffer never exceeds a piece (at least one element per rank).
-            assert rep["transient_grad_bucket"] <= max(piece, 4 * N), (strategy, piece, rep)
-        par.step()
-assert checked == 12, checked
+        if N > 1 and strategy != "zero1":  # zero1 reduces its flat buffers at the step
+            # The bytes in flight never exceed the cap (at least one piece of at least one
+            # element per rank gets through).
+            assert rep["transient_grad_bucket"] <= max(cap, piece, 4 * N), \
+                (strategy, piece, cap, rep)
+            assert rep["transient_grad_bucket"] > 0, (strategy, rep)
+assert checked == 8 * len(CASES), checked
 print("grad pieces ok", world.rank, file=sys.stderr)

@@ -358,6 +358,13 @@ def check_nonblocking(comm):
     expect(m, torch.ones(64, 64), "compute during requests")
     expect(reqs[2].wait(), want_c, "in flight: ireduce_scatter fp64 (waited first)")
     expect(finish(reqs[4], "test"), want_big, "in flight: large ireduce_scatter")
+    # Large floating ones (the MPI backend's pairwise exchange), every op, several in flight.
+    bigs = {op: (torch.arange(n * 70_000, dtype=torch.float64).remainder(7) + 1 + r) / 4
+            for op in ("sum", "avg", "max", "min", "prod")}
+    wants = {op: comm.reduce_scatter(t, op=op) for op, t in bigs.items()}
+    started = {op: comm.ireduce_scatter(t, op=op) for op, t in bigs.items()}
+    for op in reversed(list(started)):
+        expect(finish(started[op], hows[len(op) % 3]), wants[op], f"large ireduce_scatter {op}")
     outs = wait_all([reqs[3], reqs[0], reqs[1]])
     expect(outs[0], want_d, "in flight: iallreduce int64 max")
     expect(outs[1], want_a, "in flight: iallreduce fp32 avg")

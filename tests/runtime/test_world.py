@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from hpctrain.runtime.world import ranks_per_node_override
+from hpctrain.runtime.world import mpi_yield_default, ranks_per_node_override
 from tests.mpirun import run_mpi
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -44,3 +44,11 @@ def test_a_launcher_whose_ranks_mpi_does_not_see_is_refused():
         check_launch_size(slurm, 1)
     check_launch_size(slurm, 2)
     check_launch_size(LaunchInfo("single", 0, 1, 0, 1, 0, 1, None), 4)  # MPI knows better
+
+
+def test_mpi_yields_when_the_node_has_no_spare_core():
+    two = {"OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    assert mpi_yield_default(two, cores=2) == "1"
+    assert mpi_yield_default(two, cores=16) is None
+    assert mpi_yield_default({**two, "OMPI_MCA_mpi_yield_when_idle": "0"}, cores=2) is None
+    assert mpi_yield_default({}, cores=1) is None  # not Open MPI's mpirun: leave it alone

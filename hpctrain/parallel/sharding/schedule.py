@@ -115,8 +115,8 @@ class GatherSchedule:
     gradient of its output arrives (zero3, FULL_SHARD); otherwise it stays gathered until its
     backward is over (SHARD_GRAD_OP). ``prefetch``: when a unit is re-gathered for backward,
     the unit that backward reaches next is gathered too, so its all-gather is issued before
-    this unit's backward computes. The Communicator has no non-blocking all-gather, so the
-    prefetch is ordered ahead, not overlapped. ``root``: the model (its forward starts and
+    this unit's backward computes: non-blocking (``FlatUnit.gather_start``), so it overlaps
+    that backward, and is completed when the unit is needed or freed. ``root``: the model (its forward starts and
     ends each pass); default the last unit's module (the root unit).
 
     The engine calls ``begin_backward`` / ``finish_backward`` around each backward and
@@ -161,16 +161,24 @@ class GatherSchedule:
         """Unit indices in the order backward closes (reduces) them."""
         return [i for kind, i in self._bwd if kind == _CLOSE]
 
-    def gather(self, unit) -> None:
-        """Gather unit (no-op when gathered) and track the bytes gathered at once."""
-        unit.gather()
-        held = sum(u.full_bytes() for u in self.units if u.gathered and not u.keep_full)
+    def gather(self, unit, start: bool = False) -> None:
+        """Gather unit (no-op when gathered; ``start``: only start it, non-blocking) and
+        track the bytes gathered (or being gathered) at once."""
+        if start:
+            unit.gather_start()
+        else:
+            unit.gather()
+        held = sum(u.full_bytes() for u in self.units
+                   if (u.gathered or u.pending) and not u.keep_full)
         self.peak_gathered = max(self.peak_gathered, held)
 
     def _gather_out_of_stream(self, i: int) -> None:
-        if not self.units[i].gathered:
+        unit = self.units[i]
+        if unit.pending:  # prefetched: complete it (no new collective)
+            self.gather(unit)
+        elif not unit.gathered:
             self.ooo_gathers += 1
-            self.gather(self.units[i])
+            self.gather(unit)
 
     # ---- forward -----------------------------------------------------------------------
 
@@ -242,10 +250,11 @@ class GatherSchedule:
         """Unit i's params are needed in backward (its output's gradient arrived, or a
         recompute runs it): walk the stream to its gather (and prefetch one ahead)."""
         self._needed.add(i)
-        self._advance_backward(self._bopen[i] + 1)
+        # Gathers on the way to unit i's are of units needed later (prefetch): only started.
+        self._advance_backward(self._bopen[i] + 1, needed=i)
         self._gather_out_of_stream(i)
         if self.prefetch and self._b < len(self._bwd) and self._bwd[self._b][0] == _OPEN:
-            self._do(self._b)
+            self._do(self._b, start=True)  # non-blocking: overlaps this unit's backward
         self._voluntary()
 
     def complete(self, i: int) -> None:
@@ -266,17 +275,18 @@ class GatherSchedule:
                 return
             self._do(self._b)
 
-    def _advance_backward(self, to: int) -> None:
+    def _advance_backward(self, to: int, needed: int | None = None) -> None:
         while self._b < to:
-            self._do(self._b)
+            self._do(self._b, start=needed is not None and self._bwd[self._b][1] != needed)
 
-    def _do(self, k: int) -> None:
-        """Event k of the backward stream (collective: a gather, or the engine's reduction)."""
+    def _do(self, k: int, start: bool = False) -> None:
+        """Event k of the backward stream (collective: a gather, or the engine's reduction;
+        ``start``: a gather only started, completed when the unit is needed or freed)."""
         kind, i = self._bwd[k]
         self._b = k + 1
         unit = self.units[i]
         if kind == _OPEN:
-            self.gather(unit)
+            self.gather(unit, start=start)
             if i not in self.ran and i not in self._needed:
                 unit.free()  # a unit this rank skipped: only its place in the stream
             return
