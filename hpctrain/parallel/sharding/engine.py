@@ -197,6 +197,10 @@ class ShardedModel(Parallelized):
         self._next = 0
         for st in self._states:
             st.arrived = set()
+            if self._streamed and self._final:
+                # The stream closes every unit in each backward, on every rank: a second
+                # final backward before the step (its gradients are new) reduces again.
+                st.reduced = False
         if self.schedule is not None:
             self.schedule.begin_backward()
         loss.backward()

@@ -286,7 +286,12 @@ class GatherSchedule:
         self._b = k + 1
         unit = self.units[i]
         if kind == _OPEN:
-            self.gather(unit, start=start)
+            # Every backward-stream gather is started non-blocking, on every rank: MPI never
+            # matches a blocking collective with a non-blocking one, and whether a rank
+            # needs the unit right now (or only prefetches it) differs between ranks.
+            self.gather(unit, start=True)
+            if not start:
+                self.gather(unit)  # needed now: complete it
             if i not in self.ran and i not in self._needed:
                 unit.free()  # a unit this rank skipped: only its place in the stream
             return
