@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from tests.hpc.conftest import REF_ARGS, copy_job
-from tests.mpirun import ROOT
 
 pytestmark = pytest.mark.slurm
 

@@ -13,4 +13,4 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 @pytest.mark.parametrize("n", [2, 4])
 def test_domain_layers_match_torch(n):
     proc = run_mpi(n, [os.path.join(HERE, "domain_layers_worker.py")], timeout=400)
-    assert f"domain layers ok:" in proc.stdout and f"on {n} ranks" in proc.stdout, proc.stdout
+    assert "domain layers ok:" in proc.stdout and f"on {n} ranks" in proc.stdout, proc.stdout
