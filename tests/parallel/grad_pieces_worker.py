@@ -16,14 +16,14 @@ from torch import nn
 
 from hpctrain.parallel import wrap
 from hpctrain.parallel.fsdp import FSDPOptions
-from hpctrain.parallel.sharding import engine
+from hpctrain.parallel.sharding import reduction
 from hpctrain.parallel.zero import ZeroOptions
 from hpctrain.runtime.world import init_world
 
 world = init_world()
 N = world.size
-DEFAULT_PIECE, DEFAULT_MIN = engine._PIECE_BYTES, engine._MIN_RANK_PIECE_BYTES
-DEFAULT_CAP = engine._INFLIGHT_BYTES
+DEFAULT_PIECE, DEFAULT_MIN = reduction._PIECE_BYTES, reduction._MIN_RANK_PIECE_BYTES
+DEFAULT_CAP = reduction._INFLIGHT_BYTES
 
 
 class Net(nn.Module):
@@ -61,7 +61,7 @@ def blocking_shards(model, x):
     out = []
     for block in model.blocks:
         u = FlatUnit("u", list(block.named_parameters()), world.comm, keep_full=True)
-        out.append(engine.reduce_scatter_grads(u, world.comm)[0])
+        out.append(reduction.reduce_scatter_grads(u, world.comm)[0])
     return out
 
 
@@ -72,9 +72,9 @@ for piece, cap, calls in CASES:
     # 64 bytes: 4 elements per rank per piece at 4 ranks; cap 3 pieces: a hook completes
     # the oldest pieces before it starts more. calls=2: a second backward before the step
     # (its hooks start the units again, adding to the first reduction).
-    engine._PIECE_BYTES = piece
-    engine._MIN_RANK_PIECE_BYTES = 4 if piece < DEFAULT_PIECE else DEFAULT_MIN
-    engine._INFLIGHT_BYTES = cap
+    reduction._PIECE_BYTES = piece
+    reduction._MIN_RANK_PIECE_BYTES = 4 if piece < DEFAULT_PIECE else DEFAULT_MIN
+    reduction._INFLIGHT_BYTES = cap
     for strategy in ("zero1", "zero2", "zero3", "fsdp"):
         torch.manual_seed(0)
         model = Net()
@@ -87,9 +87,10 @@ for piece, cap, calls in CASES:
         for _ in range(calls):
             par.backward(par.model(x).square().sum())
         if strategy != "zero1":  # started in the hooks, in flight until the synchronize
-            assert all(st.reduced for st in par._states) and par._jobs, strategy
+            assert all(st.reduced for st in par._states) and par._reductions.jobs, strategy
         par._sync_grads()
-        assert not par._jobs and not par._inflight and par._inflight_bytes == 0, strategy
+        pending = par._reductions
+        assert not pending.jobs and not pending.inflight and pending.inflight_bytes == 0, strategy
         blocking = blocking_shards(blk_model, x) if N > 1 else None
         for k, u in enumerate(par.units):
             assert u.slots[0].name == f"blocks.{k}.weight", [v.name for v in par.units]

@@ -32,23 +32,16 @@ the step on every rank, the ranks agreeing on which in the one flag all-reduce t
 anyway (parameters that got no gradient anywhere).
 
 Overlapped reduction (Horovod's pattern: start in the hooks, complete in synchronize): a
-backward hook starts the ready units' reductions, in the fixed order, as non-blocking
-``ireduce_scatter`` pieces, each packed into a buffer of its own that its request keeps
-until complete. The bytes of pieces in flight are capped (``_INFLIGHT_BYTES``): a piece
-that would pass the cap first completes the oldest ones, so the transient stays bounded
-(memory_report's ``transient_grad_bucket`` is the peak of these bytes). The all-reduces
-over the replicas and partial groups of a unit start when its pieces are completed. Every
-decision that starts a collective depends only on the unit order and byte counts, the same
-on every rank, never on which request happens to be done, so ranks issue the same
-collectives in the same order. The hooks also ``test()`` the oldest request: Open MPI
-moves data only inside MPI calls. ``_sync_grads`` starts what the hooks did not (units
-with a parameter whose hook never fired, in the same order) and waits for all of it.
+backward hook starts the ready units' reductions, in the fixed order, as non-blocking pieces
+(``reduction.InFlight``, bytes in flight capped; memory_report's ``transient_grad_bucket``
+is their peak), and tests the oldest request (Open MPI moves data only inside MPI calls).
+``_sync_grads`` starts what the hooks did not (units with a parameter whose hook never
+fired, in the same order) and completes all of it.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass
 from functools import partial
 
@@ -60,26 +53,11 @@ from hpctrain.parallel.base import Parallelized
 from hpctrain.parallel.flat_buffer import FlatUnit
 from hpctrain.parallel.placement import Copies, Placement, entry, global_norm, placement_of
 from hpctrain.parallel.sharded_optim import preserve_elements
-from hpctrain.runtime.comm.idle import wait_idle
+from hpctrain.parallel.sharding.reduction import InFlight
 from hpctrain.runtime.malloc import release_free_heap
 
 __all__ = ["ShardPlan", "ShardedModel", "broadcast_state", "nbytes", "read_shard_state",
-           "reduce_scatter_grads", "prepare_model"]
-
-# Gradient bytes packed for one reduce-scatter (all ranks' pieces together): bounds the
-# transient next to a unit's gradients; bigger pieces only save a few collective calls...
-_PIECE_BYTES = 1 << 20
-# ...but each rank's part of a piece stays at least this big, or many ranks would turn a
-# unit into many latency-bound collectives (the buffer is then N x this, at most the unit).
-_MIN_RANK_PIECE_BYTES = 1 << 18
-# Piece bytes in flight (started, not yet completed) in the overlapped reduction: a piece
-# that would pass this first completes the oldest ones (at least one piece is always let
-# through). It bounds the transient next to the gradients (the completed pieces' buffers,
-# kept for reuse, stay within it too; a backend may stage up to as much again to receive,
-# as the MPI backend's pairwise exchange does); more in flight only lets a reduction lag
-# further behind backward.
-_INFLIGHT_BYTES = 1 << 24
-
+           "prepare_model"]
 
 @dataclass(frozen=True)
 class ShardPlan:
@@ -118,17 +96,6 @@ class _UnitState:
             return [(flat, self.weights[0] if self.weights else 1.0)]
         return [(flat[a:b], w) for s, w in zip(self.unit.slots, self.weights)
                 for a, b in self.unit.owned_ranges([s])]
-
-
-class _Reduction:
-    """One unit's gradient reduction in flight (see "Overlapped reduction" above)."""
-
-    def __init__(self, st: _UnitState, part: torch.Tensor, stages: list):
-        self.st = st
-        self.part = part        # the shard gradient the pieces reduce into
-        self.left = 0           # its pieces not yet completed
-        self.stages = stages    # all-reduces over replicas / partial groups still to start
-        self.req = None         # the stage all-reduce in flight
 
 
 class ShardedModel(Parallelized):
@@ -170,11 +137,7 @@ class ShardedModel(Parallelized):
             schedule.on_close = self._close
         self._agreed = None  # the step's agreed flags (_agree_flags), for _untouched
         self._next = 0  # position in _order of the next unit to reduce in this backward
-        self._jobs: list[_Reduction] = []  # reductions started this step, in start order
-        self._inflight: deque = deque()    # (reduction, request, bytes, buffer) in flight
-        self._spare: list = []             # piece buffers of completed pieces, for reuse
-        self._inflight_bytes = 0
-        self._peak_transient = 0
+        self._reductions = InFlight(plan.reduce_dtype)
         self._grad_bytes = 0
         super().__init__(model, make_optimizer([u.shard for u in units]), world.host)
         for i, st in enumerate(self._states):
@@ -211,8 +174,7 @@ class ShardedModel(Parallelized):
     def _on_grad(self, i: int, j: int, param: nn.Parameter) -> None:
         st = self._states[i]
         st.had[j] = True
-        if self._jobs:
-            self._progress()
+        self._reductions.progress()
         if self.plan.persistent_grads or not self.plan.hook_reduce:
             return
         st.arrived.add(j)
@@ -272,8 +234,7 @@ class ShardedModel(Parallelized):
         """In the step's last backwards: start reducing units whose gradients are complete
         now (collective over the shard group and the unit's partial groups; completed by
         step())."""
-        if self._jobs:
-            self._progress()
+        self._reductions.progress()
         if not self._final or self.plan.persistent_grads:
             return
         for i in indices:
@@ -283,119 +244,12 @@ class ShardedModel(Parallelized):
                 self._start(st)
         release_free_heap()
 
-    # ---- the overlapped reduction (see the module docstring) ---------------------------
-
     def _start(self, st: _UnitState) -> None:
-        """Start reducing the unit's gradients (SUM) into its shard gradient: non-blocking
-        reduce-scatters over the shard group, then all-reduces over the replicas and partial
-        groups (``_next_stage``). Collective; ``_finish`` completes it."""
+        """Start reducing the unit's gradients (SUM) into its shard gradient over the shard
+        group, then the replicas and partial groups (collective; completed at the step)."""
         stages = ([self.replicate] if self.replicate is not None else []) + self.partial
-        job = _Reduction(st, None, stages)
-        self._jobs.append(job)
         st.reduced = True
-        self._start_pieces(job)
-        if job.left == 0:
-            self._next_stage(job)
-
-    def _start_pieces(self, job: _Reduction) -> None:
-        """The pieces of ``reduce_scatter_grads``, each packed into a buffer of its own,
-        into a new shard gradient; the full gradients are freed."""
-        u, comm, n = job.st.unit, self.comm, self.comm.size
-        size = u.shard_numel
-        grads = [None if s.param.grad is None else s.param.grad.reshape(-1) for s in u.slots]
-        part = job.part = torch.empty(size, dtype=self.plan.reduce_dtype or u.full.dtype,
-                                      device=u.full.device)
-        if n == 1:  # one rank per shard group: the shard is the whole buffer
-            u.grad_range(0, size, part, grads)
-        else:
-            esize = part.element_size()
-            step = _piece_elems(size, n, esize)
-            for a in range(0, size, step):
-                b = min(a + step, size)
-                nb = n * (b - a) * esize
-                self._make_room(nb)
-                buf = self._piece_buffer(n * (b - a), part)
-                _pack(u, grads, a, b, buf.view(n, b - a))
-                self._launch(job, comm.ireduce_scatter(buf, out=part[a:b], op="sum"), nb, buf)
-        del grads
-        for s in u.slots:
-            s.param.grad = None
-
-    def _launch(self, job: _Reduction, req, nbytes: int, buf) -> None:
-        """Track a started reduce-scatter piece: its bytes in flight and its buffer (reused
-        once ``_complete_oldest`` completed it)."""
-        job.left += 1
-        self._inflight.append((job, req, nbytes, buf))
-        self._inflight_bytes += nbytes
-        self._peak_transient = max(self._peak_transient, self._inflight_bytes)
-
-    def _make_room(self, nbytes: int) -> None:
-        """Complete the oldest pieces in flight until nbytes more fit under the cap."""
-        while self._inflight and self._inflight_bytes + nbytes > _INFLIGHT_BYTES:
-            self._complete_oldest()
-
-    def _wait(self, req) -> None:
-        """Complete req. On CPU ranks poll with naps (``wait_idle``) instead of MPI's busy
-        wait: the rank it waits for computes on the same cores (ranks >= cores), and a
-        spinning waiter slows that rank down."""
-        if self.comm.device.type == "cpu":
-            wait_idle(req)
-        req.wait()
-
-    def _piece_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
-        """A buffer for one piece: a completed piece's when one fits (a fresh multi-MB
-        tensor page-faults on first touch, every step), else a new one."""
-        for k, buf in enumerate(self._spare):
-            if buf.dtype == like.dtype and buf.device == like.device and buf.numel() >= numel:
-                return self._spare.pop(k)[:numel]
-        return torch.empty(numel, dtype=like.dtype, device=like.device)
-
-    def _complete_oldest(self) -> None:
-        job, req, nb, buf = self._inflight.popleft()
-        self._wait(req)
-        base = buf if buf._base is None else buf._base
-        if len(self._spare) * base.numel() * base.element_size() < _INFLIGHT_BYTES:
-            self._spare.append(base)  # kept for the next pieces (and steps): within the cap
-        self._inflight_bytes -= nb
-        job.left -= 1
-        if job.left == 0:  # its shard gradient is reduced over the shard group
-            self._next_stage(job)
-
-    def _next_stage(self, job: _Reduction) -> None:
-        """Start the unit's next all-reduce over replicas / partial groups (it needs the
-        previous one complete: wait for it here)."""
-        if job.req is not None:
-            self._wait(job.req)
-            job.req = None
-        if job.stages:
-            job.req = job.stages.pop(0).iallreduce(job.part, op="sum")
-
-    def _progress(self) -> None:
-        """Let MPI move data (it has no progress thread): test the oldest request in flight.
-        That only lets a completed one free its buffers early: what starts next never
-        depends on it."""
-        if self._inflight:
-            self._inflight[0][1].test()
-            return
-        for job in self._jobs:  # no pieces in flight: the oldest unfinished all-reduce
-            if job.req is not None and not job.req.test():
-                return
-
-    def _finish(self, job: _Reduction) -> None:
-        """Complete a started reduction and add it to the unit's shard gradient."""
-        while job.left:
-            self._complete_oldest()  # pieces complete in start order: the job's come up
-        while job.req is not None or job.stages:
-            self._next_stage(job)
-        u, part = job.st.unit, job.part
-        if part.dtype != u.shard.dtype or part.device != u.shard.device:
-            part = part.to(u.shard.device, u.shard.dtype)  # fp32 master / host shard
-        u.add_shard_grad(part)
-
-    def _finish_all(self) -> None:
-        for job in self._jobs:
-            self._finish(job)
-        self._jobs = []
+        self._reductions.start(st.unit, self.comm, stages)
 
     def _sync_grads(self) -> None:
         # Persistent gradients: reduce-scatter every buffer now. Otherwise start what the
@@ -414,7 +268,7 @@ class ShardedModel(Parallelized):
                     c.allreduce(u.shard.grad, op="sum")  # a view of grad_buf: in place
             elif not st.reduced or again:
                 self._start(st)
-        self._finish_all()
+        self._reductions.finish_all()
         for st in (self._states[i] for i in self._order):
             u = st.unit
             st.reduced = st.late = False
@@ -689,7 +543,7 @@ class ShardedModel(Parallelized):
                 "params": params, "grads": self._grad_bytes, "optimizer": optim,
                 "largest_gathered_unit": gathered,
                 "peak_gathered": self.schedule.peak_gathered if self.schedule else 0,
-                "transient_grad_bucket": self._peak_transient,
+                "transient_grad_bucket": self._reductions.peak_bytes,
                 "frozen_params": nbytes([p for _, p in self.frozen])}
 
 
@@ -744,52 +598,6 @@ def _refuse_load_state_dict(units, module, state_dict, prefix, *args) -> None:
         raise RuntimeError(f"load_state_dict() called on a sharded model: {_FREED}; load the "
                            f"state into the model before parallelize(), or resume from an "
                            f"hpctrain checkpoint")
-
-
-def reduce_scatter_grads(u: FlatUnit, comm, dtype: torch.dtype | None = None):
-    """Reduce-scatter (SUM over ``comm``) the gradients of a unit's params into a new shard
-    gradient, and free the params' .grad; returns (shard gradient, transient buffer bytes).
-    Blocking; the engine starts the same pieces non-blocking (``ShardedModel._start``).
-
-    The gradients are never packed into one unit-sized buffer: piece by piece, each rank's
-    next elements are copied into a buffer of at most _PIECE_BYTES and that is
-    reduce-scattered into the shard gradient, so the transient is bounded by the piece, not
-    by the unit (a unit-sized buffer next to the unit's gradients was 2 units)."""
-    n, size = comm.size, u.shard_numel
-    dtype, device = dtype or u.full.dtype, u.full.device
-    grads = [None if s.param.grad is None else s.param.grad.reshape(-1) for s in u.slots]
-    part = torch.empty(size, dtype=dtype, device=device)
-    transient = 0
-    if n == 1:  # one rank per shard group: the shard is the whole buffer
-        u.grad_range(0, size, part, grads)
-    else:
-        esize = part.element_size()
-        step = _piece_elems(size, n, esize)
-        buf = torch.empty(n * step, dtype=dtype, device=device)
-        transient = buf.numel() * esize
-        for a in range(0, size, step):
-            b = min(a + step, size)
-            piece = buf[:n * (b - a)].view(n, b - a)
-            _pack(u, grads, a, b, piece)
-            comm.reduce_scatter(piece.view(-1), out=part[a:b], op="sum")
-        del buf
-    del grads
-    for s in u.slots:
-        s.param.grad = None
-    return part, transient
-
-
-def _piece_elems(size: int, n: int, esize: int) -> int:
-    """Elements of each rank's shard per reduce-scatter piece (see _PIECE_BYTES)."""
-    return min(size, max(1, _PIECE_BYTES // (n * esize), _MIN_RANK_PIECE_BYTES // esize))
-
-
-def _pack(u: FlatUnit, grads: list, a: int, b: int, piece: torch.Tensor) -> None:
-    """Row r of piece (n, b - a): elements [a, b) of rank r's shard of the unit's flat
-    gradient (grads[j]: slot j's flat gradient or None)."""
-    size = u.shard_numel
-    for r in range(piece.shape[0]):
-        u.grad_range(r * size + a, r * size + b, piece[r], grads)
 
 
 def read_shard_state(reader, u: FlatUnit, name_of=None) -> dict:

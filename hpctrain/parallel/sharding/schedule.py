@@ -116,8 +116,8 @@ class GatherSchedule:
     backward is over (SHARD_GRAD_OP). ``prefetch``: when a unit is re-gathered for backward,
     the unit that backward reaches next is gathered too, so its all-gather is issued before
     this unit's backward computes: non-blocking (``FlatUnit.gather_start``), so it overlaps
-    that backward, and is completed when the unit is needed or freed. ``root``: the model (its forward starts and
-    ends each pass); default the last unit's module (the root unit).
+    that backward, and is completed when the unit is needed or freed. ``root``: the model
+    (its forward starts and ends each pass); default the last unit's module (the root unit).
 
     The engine calls ``begin_backward`` / ``finish_backward`` around each backward and
     ``complete(i)`` when unit i's gradients have all arrived; ``on_close(i)`` (set by the
