@@ -14,7 +14,7 @@ Model-parallel transforms place the parameters they split or replicate (``place`
 data-parallel flavour adds its replicas and asks this module, and nothing else:
 
 - which groups to sum a gradient over (``Placement.sum_comms``);
-- over which ranks "did any rank get a gradient" is agreed (``Placement.copy_comms``);
+- over which ranks "did any rank get a gradient" is agreed (the ``copies``);
 - how much a rank's squares count in a global norm (``Placement.norm_weight``: every
   distinct element counts once however many ranks hold it; ``global_norm``);
 - what a checkpoint entry holds: the N-D box of the global tensor and, for a flat shard of
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 __all__ = ["Copies", "Placement", "place", "placement_of", "carry_placements", "global_norm",
-           "entry", "describe"]
+           "entry"]
 
 _ATTR = "_hpctrain_placement"
 
@@ -84,9 +84,6 @@ class Placement:
         """The groups a gradient is summed over (its partial copies)."""
         return [c.comm for c in self.copies if c.partial]
 
-    def copy_comms(self) -> list:
-        return [c.comm for c in self.copies]
-
     def copy_index(self) -> tuple[int, int]:
         """(this rank's index, how many) among the ranks holding these same values."""
         index, count = 0, 1
@@ -99,12 +96,6 @@ class Placement:
         if self.offset is None:
             return None
         return tuple(self.offset), tuple(local_shape)
-
-    def describe(self) -> str:
-        where = "whole" if self.offset is None else f"slice at {tuple(self.offset)}"
-        copies = ", ".join(f"{c.name}={c.size}{'' if c.partial else ' (same grad)'}"
-                           for c in self.copies) or "none"
-        return f"{tuple(self.global_shape)} {where}; copies over {copies}"
 
 
 def place(tensor: torch.Tensor, placement: Placement) -> None:
@@ -173,11 +164,3 @@ def entry(name: str, local: torch.Tensor, placement: Placement, elems: tuple | N
         return Entry(name, shape, dtype, part, elems=(a, b))
     return Entry(name, shape, dtype, part, box=box, elems=(a, b))
 
-
-def describe(named_placements) -> list[str]:
-    """One line per distinct placement: how many tensors share it (for logs and `plan`)."""
-    counts: dict = {}
-    for _, p in named_placements:
-        key = p.describe().split(" ", 1)[1] if p.offset is None else p.describe()
-        counts[key] = counts.get(key, 0) + 1
-    return [f"{n} tensor{'s' if n != 1 else ''}: {k}" for k, n in counts.items()]
