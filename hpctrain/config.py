@@ -21,7 +21,8 @@ __all__ = [
 
 # models/registry.py BUILTIN: the same (kept here so `--help` and validation need no torch).
 BUILTIN_MODELS = ("gpt", "mlp", "unet")
-STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "pipeline", "domain")
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "pipeline", "domain",
+              "tensor")
 DP_FLAVOURS = ("ddp", "zero1", "zero2", "zero3", "fsdp")  # parallel/plan.py FLAVOURS: the same
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 PIPELINE_BALANCE = ("param-count", "measured")
@@ -42,8 +43,9 @@ DEVICES = ("auto", "cpu", "cuda")
 STRATEGY_SECTIONS = {
     "single": (), "ddp": ("ddp",), "zero1": ("zero",), "zero2": ("zero",), "zero3": ("zero",),
     "fsdp": ("fsdp",), "pipeline": ("pipeline",), "domain": ("domain", "ddp"),
+    "tensor": ("tensor",),
 }
-STRATEGY_TABLES = ("ddp", "zero", "fsdp", "pipeline", "domain")
+STRATEGY_TABLES = ("ddp", "zero", "fsdp", "pipeline", "domain", "tensor")
 
 
 class ConfigError(ValueError):
@@ -145,6 +147,19 @@ class DomainSection:
 
 
 @dataclass
+class TensorSection:
+    """[tensor]: tensor parallel over the mesh's tp ranks (Megatron-LM layers)."""
+
+    sequence_parallel: bool = _f(False, "run LayerNorm/dropout regions on sequence chunks "
+                                 "(all-gather + reduce-scatter instead of all-reduce; their "
+                                 "activation memory / tp)")
+    plan: dict = _f(None, "module-name patterns -> styles (colwise, rowwise, vocab_embedding, "
+                    "vocab_head, sequence_parallel, attention_dropout; colwise may be a table "
+                    "{style, parts, heads}); empty: the model's own plan",
+                    default_factory=dict)
+
+
+@dataclass
 class FSDPSection(UnitPolicy):
     """[fsdp]: fully sharded data parallel (strategy fsdp)."""
 
@@ -198,6 +213,7 @@ class Config:
     zero: ZeroSection = field(default_factory=ZeroSection)
     pipeline: PipelineSection = field(default_factory=PipelineSection)
     domain: DomainSection = field(default_factory=DomainSection)
+    tensor: TensorSection = field(default_factory=TensorSection)
     fsdp: FSDPSection = field(default_factory=FSDPSection)
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
@@ -255,9 +271,12 @@ class Config:
 
         if plan.name == "single":
             return ()
-        if plan.pipeline:  # its ddp flavour is the engine's all-reduce, without [ddp] options
-            return ("pipeline",) + ((FLAVOUR_TABLES[plan.flavour],) if plan.flavour != "ddp"
-                                    else ())
+        tensor = ("tensor",) if plan.tensor else ()
+        # Under pipeline stages or tensor parallel the ddp flavour is the sharding engine's
+        # all-reduce, without [ddp] options.
+        if plan.pipeline or plan.tensor:
+            return (("pipeline",) if plan.pipeline else ()) + tensor + (
+                (FLAVOUR_TABLES[plan.flavour],) if plan.flavour != "ddp" else ())
         return (("domain",) if plan.domain else ()) + (FLAVOUR_TABLES[plan.flavour],)
 
     def _validate_tables_used(self, plan) -> None:
@@ -295,6 +314,9 @@ class Config:
         """Pipeline rules: micro-batches that divide the batch, fp32/bf16."""
         t, pl = self.train, self.pipeline
         m, dp, p = pl.microbatches, plan.dp, plan.pp
+        if plan.tp > 1 and pl.balance == "measured":
+            raise ConfigError("pipeline.balance = 'measured' times each layer alone, which "
+                              "tensor-parallel layers (tp > 1) cannot be; use param-count")
         if t.global_batch_size % (t.grad_accum * dp * m):
             raise ConfigError(
                 f"pipeline.microbatches = {m} does not divide the batch: global_batch_size = "

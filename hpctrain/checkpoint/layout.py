@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 __all__ = ["Entry", "Region", "to_numpy", "from_numpy", "storage_dtype", "BLOCK_BYTES",
-           "block_elems", "numel", "owned_region", "local_flat", "replicated_elems"]
+           "block_elems", "box_parts", "numel", "owned_region", "local_flat", "replicated_elems"]
 
 # Canonical checksum block: a fixed byte budget of the row-major flattened tensor, independent
 # of the world size and of how it is sharded, so CRCs written by N ranks verify when M read.
@@ -27,7 +27,8 @@ class Entry:
     ``local``: this rank's tensor. What part of the global tensor it holds:
 
     - ``box=(offset, count)``: an N-D hyperslab (a tensor-parallel slice along any dim; ``local``
-      has shape ``count``);
+      has shape ``count``); ``box=(offset, count, view)``: that box of the tensor seen as
+      the shape ``view`` (same elements, row-major), e.g. a fused qkv weight's whole heads;
     - ``rows=(start, stop)``: the box of those whole rows;
     - ``elems=(start, stop)``: the 1-D ``local`` holds those elements of the row-major
       flattened tensor (ZeRO/FSDP flat shards, any alignment) or, with ``box``, of the
@@ -138,11 +139,14 @@ def owned_region(index: int, e: Entry, rank: int, world: int) -> Region:
         box = ((a,) + (0,) * (len(shape) - 1), (b - a,) + shape[1:])
         span = f"rows {(a, b)}"
     elif e.box is not None:
-        off, cnt = (tuple(int(x) for x in v) for v in e.box)
-        if len(off) != len(shape) or len(cnt) != len(shape) or any(
-                o < 0 or c < 0 or o + c > s for o, c, s in zip(off, cnt, shape)):
+        off, cnt, view = box_parts(e.box, shape)
+        if view != shape and numel(view) != n:
+            raise ValueError(f"{e.name}: box view {view} has {numel(view)} elements, the "
+                             f"tensor of shape {shape} {n}; give a view of the same elements")
+        if len(off) != len(view) or len(cnt) != len(view) or any(
+                o < 0 or c < 0 or o + c > s for o, c, s in zip(off, cnt, view)):
             raise ValueError(f"{e.name}: owned box offset {off} count {cnt} lies outside the "
-                             f"tensor of shape {shape}; give a box within it")
+                             f"tensor of shape {view}; give a box within it")
         box, span = (off, cnt), f"box offset {off} count {cnt}"
     else:
         box, span = (((0,) * len(shape), shape)), None
@@ -162,8 +166,22 @@ def owned_region(index: int, e: Entry, rank: int, world: int) -> Region:
                          f"{have}; pass exactly the owned part (no padding)")
     if not shape:
         return _flat_region(shape, lo, hi)
+    if e.box is not None and len(e.box) == 3 and tuple(e.box[2]) != shape:
+        # A box of a view: its runs of the flattened tensor, each as boxes of the dataset.
+        from hpctrain.checkpoint.hyperslab import flat_boxes
+
+        runs = box_runs(tuple(int(x) for x in e.box[2]), box[0], box[1], lo, hi)
+        return Region([b for a, z in runs.tolist() for b in flat_boxes(shape, a, z)], runs)
     return Region(box_flat_boxes(box[0], box[1], lo, hi) if hi > lo else [],
                   box_runs(shape, box[0], box[1], lo, hi))
+
+
+def box_parts(box: tuple, shape: tuple) -> tuple:
+    """(offset, count, view shape) of an Entry/read box: (offset, count) is a box of the
+    tensor's own shape, (offset, count, view) one of the view."""
+    off, cnt = (tuple(int(x) for x in v) for v in box[:2])
+    view = tuple(int(x) for x in box[2]) if len(box) > 2 else tuple(shape)
+    return off, cnt, view
 
 
 def local_flat(e: Entry, region: Region) -> np.ndarray:

@@ -10,7 +10,7 @@ import numpy as np
 from hpctrain.checkpoint import meta
 from hpctrain.checkpoint.checksum import expected_blocks, verify_flat
 from hpctrain.checkpoint.hyperslab import read_flat
-from hpctrain.checkpoint.layout import numel
+from hpctrain.checkpoint.layout import box_parts, numel
 
 __all__ = ["CheckpointError", "Reader", "raise_agreed"]
 
@@ -88,7 +88,8 @@ class Reader:
         """Checksum-verified part of dataset name; None on error (collected for check()).
 
         rows=(start, stop): those rows; box=(offset, count): that N-D hyperslab (a
-        tensor-parallel slice); elems=(start, stop): those elements of the row-major flattened
+        tensor-parallel slice; (offset, count, view): a box of the tensor seen as the shape
+        view, e.g. whole heads of a fused qkv weight); elems=(start, stop): those elements of the row-major flattened
         tensor (or, with box, of the flattened box), as a 1-D array; none: the whole tensor.
         The whole canonical blocks around the part are read to verify them.
         """
@@ -109,18 +110,19 @@ class Reader:
                    (int(rows[1]) - int(rows[0]),) + dshape[1:])
         runs, out_shape = None, dshape
         if box is not None and d.ndim:
-            off, cnt = (tuple(int(x) for x in v) for v in box)
-            if len(off) != d.ndim or len(cnt) != d.ndim or any(
-                    o < 0 or c < 0 or o + c > n for o, c, n in zip(off, cnt, dshape)):
+            off, cnt, view = box_parts(box, dshape)
+            if numel(view) != total or len(off) != len(view) or len(cnt) != len(view) or any(
+                    o < 0 or c < 0 or o + c > n for o, c, n in zip(off, cnt, view)):
                 self.fail(f"dataset {name!r} of shape {dshape} has no box offset {off} count "
-                          f"{cnt}; the checkpoint was written for a different model or sharding")
+                          f"{cnt}{'' if view == dshape else f' of the view {view}'}; the "
+                          f"checkpoint was written for a different model or sharding")
                 return None
             lo, hi = (0, numel(cnt)) if elems is None else (int(elems[0]), int(elems[1]))
             if not 0 <= lo <= hi <= numel(cnt):
                 self.fail(f"dataset {name!r}: box count {cnt} has no elements {(lo, hi)}; the "
                           f"checkpoint was written for a different model or sharding")
                 return None
-            runs = box_runs(dshape, off, cnt, lo, hi)
+            runs = box_runs(view, off, cnt, lo, hi)
             out_shape = cnt if elems is None else (hi - lo,)
         elif elems is not None:
             start, stop = (int(x) for x in elems)

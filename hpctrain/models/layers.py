@@ -53,6 +53,9 @@ class LayerStack:
 
     layers: list
     tied: dict = field(default_factory=dict)
+    # Tensor-parallel plan of the whole model (module-name patterns -> styles; see
+    # parallel/tensor), when it has one.
+    tp_plan: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.layers)

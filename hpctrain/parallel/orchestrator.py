@@ -1,6 +1,6 @@
 """The orchestrator: a ParallelPlan in, one Parallelized out, transforms in a fixed order.
 
-1. model-parallel transforms: tensor parallel (slot for the next one), domain layers;
+1. model-parallel transforms: tensor parallel (Megatron layers over tp), domain layers;
 2. activation checkpointing (per block; per layer inside the pipeline);
 3. the pipeline split (this rank keeps its stages);
 4. the data-parallel flavour (ddp, zero1-3, fsdp) over the dp replicas, summing gradients
@@ -32,12 +32,13 @@ class Composed:
     this rank reads; for the pipeline also the whole-model checkpoint naming). Every other
     attribute is the flavour's, then the executor's."""
 
-    def __init__(self, inner, executor, name: str):
+    def __init__(self, inner, executor, name: str, tensor=None):
         self._inner = inner
         self._executor = executor
+        self._tensor = tensor  # the tensor-parallel split (its loss, its whole tensors)
         self.name = name
 
-    _OWN = ("_inner", "_executor", "name")
+    _OWN = ("_inner", "_executor", "_tensor", "name")
 
     def __setattr__(self, attr, value):
         # State lives on the flavour (e.g. job_comm); what Composed itself defines, here.
@@ -53,8 +54,18 @@ class Composed:
             return getattr(self._executor, attr)
 
     def forward_backward(self, micro_batches, loss_fn, precision) -> float:
-        """Run the executor over the step's micro-batches (collective)."""
-        return self._executor.forward_backward(self._inner, micro_batches, loss_fn, precision)
+        """Run the executor over the step's micro-batches (collective). Under tensor
+        parallel the loss runs on vocabulary-parallel logits, and one rank of each tp group
+        reports it (every tp rank computed the same loss)."""
+        if self._tensor is not None:
+            loss_fn = self._tensor.adapt_loss(loss_fn)
+        local = self._executor.forward_backward(self._inner, micro_batches, loss_fn, precision)
+        return local if self._tensor is None or self._tensor.tp.rank == 0 else 0.0
+
+    def check_loss(self, loss_fn) -> None:
+        """ValueError if loss_fn cannot run under this plan (local)."""
+        if self._tensor is not None:
+            self._tensor.check_loss(loss_fn)
 
     def data_shard(self, world) -> tuple[int, int]:
         return self._executor.data_shard(world)
@@ -76,10 +87,14 @@ class Composed:
         return self._by_executor("memory_report")
 
     def full_state_dict(self, rank0_only: bool = False) -> dict:
-        """As Parallelized.full_state_dict, the executor assembling the whole model."""
+        """As Parallelized.full_state_dict, the executor assembling the whole model (and
+        the tp slices joined into whole tensors)."""
         if not hasattr(self._executor, "full_state"):
-            return self._inner.full_state_dict(rank0_only)
-        state = self._executor.full_state(self._inner)
+            state = self._inner.full_state_dict(False)
+        else:
+            state = self._executor.full_state(self._inner)
+        if self._tensor is not None:
+            state = self._tensor.assemble(state)
         job = self._inner.job_comm
         if job is not None:
             job.barrier()
@@ -105,7 +120,7 @@ def _flavour(plan: ParallelPlan, model, make_optimizer, world, options: dict, gr
     from dataclasses import replace
 
     flavour = plan.flavour
-    if plan.pipeline and flavour == "ddp":
+    if (plan.pipeline or plan.tensor) and flavour == "ddp":
         from hpctrain.parallel.fsdp import FSDPOptions
 
         ddp = options.get("ddp")
@@ -143,10 +158,17 @@ def parallelize(plan: ParallelPlan, model, make_optimizer, world, options: dict 
         if activation_checkpointing:
             _checkpoint(model, world)
         return single.wrap(model, make_optimizer, world)
+    step, tensor = 1, None
+    if plan.tensor:
+        model, tensor = _tensor(plan, model, world, options, step)
+        step += 1
     if plan.pipeline:
-        return _pipeline(plan, model, make_optimizer, world, options, activation_checkpointing)
-    executor, groups = None, DPGroups.of_world(world)
-    step = 1
+        return _pipeline(plan, model, make_optimizer, world, options, activation_checkpointing,
+                         tensor, step)
+    executor, groups = tensor, DPGroups.of_world(world)
+    if plan.tensor:  # the tp ranks of a replica read the same samples
+        mesh = world.mesh(plan.layout)
+        groups = DPGroups(mesh.comm("dp"), (), mesh.comm("dp"))
     if plan.domain:
         from hpctrain.parallel.domain import strategy as domain
 
@@ -164,11 +186,32 @@ def parallelize(plan: ParallelPlan, model, make_optimizer, world, options: dict 
         step += 1
     par = _flavour(plan, model, make_optimizer, world, options, groups)
     sums = " x ".join([f"dp ({groups.dp.size})"] + [f"partial ({c.size})" for c in groups.partial])
-    _log(world, f"transform {step}: {plan.flavour} over dp={groups.dp.size}; gradients summed "
-                f"over {sums} ranks")
+    _log(world, f"transform {step}: {_flavour_text(plan)} over dp={groups.dp.size}; gradients "
+                f"summed over {sums} ranks" + (" (and over tp where sequence parallel made "
+                                              "them partial)" if tensor is not None and
+                                              tensor.sequence_parallel else ""))
     if executor is None:
         return par
-    return Composed(par, executor, plan.name)
+    return Composed(par, executor, plan.name, tensor)
+
+
+def _flavour_text(plan: ParallelPlan) -> str:
+    if plan.flavour == "ddp" and (plan.pipeline or plan.tensor):
+        return "ddp (all-reduced by the sharding engine: Horovod reduces over the whole job)"
+    return plan.flavour
+
+
+def _tensor(plan: ParallelPlan, model, world, options: dict, step: int):
+    """The tensor-parallel split of model over the mesh's tp groups."""
+    from hpctrain.parallel.tensor import prepare
+
+    mesh = world.mesh(plan.layout)
+    model, tensor = prepare(model, world, mesh, options.get("tensor"))
+    _log(world, f"transform {step}: tensor: {len(tensor.splits)} weights split over tp="
+                f"{plan.tp} ({_ranks(mesh.comm('tp'))}); sequence parallel "
+                f"{'on' if tensor.sequence_parallel else 'off'}; vocabulary-parallel loss "
+                f"{'on' if tensor.vocab else 'off'}")
+    return model, tensor
 
 
 def _checkpoint(model, world) -> int:
@@ -177,7 +220,8 @@ def _checkpoint(model, world) -> int:
     return checkpoint_blocks(model, is_main=world.is_main)
 
 
-def _pipeline(plan, stack, make_optimizer, world, options, activation_checkpointing):
+def _pipeline(plan, stack, make_optimizer, world, options, activation_checkpointing,
+              tensor=None, step=1):
     """The pipeline split, then the dp flavour over each stage's replicas, sharding the
     units the pipeline names (the parameters each set of its chunks uses)."""
     from dataclasses import replace
@@ -188,12 +232,12 @@ def _pipeline(plan, stack, make_optimizer, world, options, activation_checkpoint
     opts = replace(opts, mesh=plan.layout, dp_sharding=plan.flavour,
                    activation_checkpointing=activation_checkpointing or opts.activation_checkpointing)
     root, executor = prepare(stack, world, opts, plan.flavour)
-    _log(world, f"transform 1: pipeline: {plan.pp} stages in each of {plan.dp} replicas; "
+    _log(world, f"transform {step}: pipeline: {plan.pp} stages in each of {plan.dp} replicas; "
                 f"activation recompute per layer: "
                 f"{'on' if opts.activation_checkpointing else 'off'}")
     groups = DPGroups(executor.dp, (), executor.dp)
     par = _flavour(plan, root, make_optimizer, world, options, groups,
                    units=executor.unit_specs(), name_of=executor.name_of)
-    _log(world, f"transform 2: {plan.flavour} over dp={executor.dp.size} for each stage's "
-                f"{len(executor.unit_specs())} units")
-    return Composed(par, executor, plan.name)
+    _log(world, f"transform {step + 1}: {_flavour_text(plan)} over dp={executor.dp.size} for "
+                f"each stage's {len(executor.unit_specs())} units")
+    return Composed(par, executor, plan.name, tensor)

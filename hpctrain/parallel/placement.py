@@ -61,6 +61,10 @@ class Placement:
     # The groups whose ranks hold the OTHER slices (tensor parallel: the tp group); a value
     # that goes with the whole tensor (Adam's step count) is held alike by them too.
     sliced_over: tuple = ()
+    # A slice that is one box only in another shape of the same row-major elements: a fused
+    # qkv weight (3h, d) split by whole heads is the box offset (0, r*h/tp, 0) count
+    # (3, h/tp, d) of the view (3, h, d). ``view``: (view shape, box count in it).
+    view: tuple | None = None
 
     def with_copies(self, *more: Copies) -> "Placement":
         """This placement, also held alike by the ranks of ``more`` (size-1 groups dropped)."""
@@ -92,9 +96,13 @@ class Placement:
         return index, count
 
     def box(self, local_shape: tuple) -> tuple | None:
-        """(offset, count) of the global tensor the local one is; None when whole."""
+        """(offset, count) of the global tensor the local one is, or (offset, count, view
+        shape) for a box of a view (see ``view``); None when whole."""
         if self.offset is None:
             return None
+        if self.view is not None:
+            shape, count = self.view
+            return tuple(self.offset), tuple(count), tuple(shape)
         return tuple(self.offset), tuple(local_shape)
 
 

@@ -6,7 +6,7 @@ orchestrator (``orchestrator.py``) is the only reader that turns it into transfo
 
 ``--strategy NAME`` is a shorthand for a one-dimensional plan (``zero3`` = every rank a dp
 replica with flavour zero3, ``pipeline`` = every rank a stage, ``domain`` = every rank a
-tile); ``--mesh`` and ``--dp-flavour`` spell a composed one (``--mesh dom=2,dp=2
+tile, ``tensor`` = every rank a tensor-parallel slice); ``--mesh`` and ``--dp-flavour`` spell a composed one (``--mesh dom=2,dp=2
 --dp-flavour fsdp``). A flavour strategy given with a mesh composes too: ``--strategy zero3
 --mesh dom=2,dp=2`` is the same plan.
 """
@@ -25,7 +25,8 @@ FLAVOURS = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 FLAVOUR_TABLES = {"ddp": "ddp", "zero1": "zero", "zero2": "zero", "zero3": "zero",
                   "fsdp": "fsdp"}
 #: The options table of each shorthand strategy (single has none).
-STRATEGY_TABLE = {**FLAVOUR_TABLES, "pipeline": "pipeline", "domain": "domain"}
+STRATEGY_TABLE = {**FLAVOUR_TABLES, "pipeline": "pipeline", "domain": "domain",
+                  "tensor": "tensor"}
 
 
 class PlanError(ValueError):
@@ -47,6 +48,7 @@ class ParallelPlan:
     # The transform runs even at degree 1 (``--strategy pipeline`` on one rank is one stage).
     pipeline: bool = False
     domain: bool = False
+    tensor: bool = False
 
     @property
     def dom_size(self) -> int:
@@ -70,7 +72,7 @@ class ParallelPlan:
     def transforms(self) -> list[str]:
         """The transforms the orchestrator applies, in its fixed order."""
         out = []
-        if self.tp > 1:
+        if self.tensor:
             out.append("tensor")
         if self.domain:
             out.append("domain")
@@ -128,7 +130,8 @@ def build_plan(strategy: str, mesh: str, world_size: int, dp_flavour: str = "",
                 f"--mesh/--dp-flavour, or launch one process")
         return ParallelPlan(name="single")
     flavour = _flavour_of(strategy, dp_flavour, pipeline_dp_sharding)
-    default = {"pipeline": f"pp={world_size},dp=1", "domain": f"dom={world_size},dp=1"}
+    default = {"pipeline": f"pp={world_size},dp=1", "domain": f"dom={world_size},dp=1",
+               "tensor": f"tp={world_size},dp=1"}
     text = mesh or default.get(strategy, "")
     try:
         layout = MeshLayout.parse(text).resolve(world_size)
@@ -136,25 +139,27 @@ def build_plan(strategy: str, mesh: str, world_size: int, dp_flavour: str = "",
         raise PlanError(f"runtime.mesh = {mesh!r}: {exc}") from None
     pp, dp, tp, dom = layout.pp, layout.dp, layout.tp, tuple(layout.dom)
     dom_size = layout.dom_size
-    if strategy == "pipeline" and (tp > 1 or dom_size > 1):
-        raise PlanError(f"runtime.mesh = {mesh!r}: strategy 'pipeline' uses only pp and dp; "
-                        f"drop tp/dom")
+    if strategy == "pipeline" and dom_size > 1:
+        raise PlanError(f"runtime.mesh = {mesh!r}: strategy 'pipeline' uses pp, dp and tp; "
+                        f"drop dom")
     if strategy == "domain" and (pp > 1 or tp > 1):
         raise PlanError(f"runtime.mesh = {mesh!r} uses pp/tp but strategy 'domain' uses dp and "
                         f"dom only; e.g. --mesh dom=2x2 or --mesh dp=2,dom=2")
-    if tp > 1:
-        raise PlanError(f"runtime.mesh = {mesh!r}: tensor parallel (tp={tp}) is not available "
-                        f"yet; use tp=1")
-    if pp > 1 and dom_size > 1:
-        raise PlanError(f"runtime.mesh = {mesh!r}: pipeline stages (pp={pp}) over a domain "
-                        f"split (dom={'x'.join(map(str, dom))}) cannot be combined yet; use "
-                        f"one of them with dp")
+    if strategy == "tensor" and dom_size > 1:
+        raise PlanError(f"runtime.mesh = {mesh!r}: strategy 'tensor' uses tp, dp and pp; "
+                        f"drop dom")
+    if dom_size > 1 and (pp > 1 or tp > 1):
+        raise PlanError(f"runtime.mesh = {mesh!r}: a domain split (dom="
+                        f"{'x'.join(map(str, dom))}) composes with dp only, not with pipeline "
+                        f"stages or tensor parallel; use dom with dp, or pp/tp with dp")
     pipeline, domain = pp > 1 or strategy == "pipeline", dom_size > 1 or strategy == "domain"
-    if pipeline:  # the pipeline strategy keeps its name with any of its dp flavours
-        name = "pipeline" if strategy == "pipeline" else f"pipeline+{flavour}"
-    elif domain:
-        name = "domain" if strategy == "domain" and flavour == "ddp" else f"domain+{flavour}"
-    else:
+    tensor = tp > 1 or strategy == "tensor"
+    parts = [n for n, on in (("pipeline", pipeline), ("domain", domain), ("tensor", tensor)) if on]
+    if not parts:
         name = flavour
+    elif strategy == "pipeline" or (strategy in ("domain", "tensor") and flavour == "ddp"):
+        name = "+".join(parts)  # the shorthand keeps its name (pipeline: any dp flavour)
+    else:
+        name = "+".join(parts + [flavour])
     return ParallelPlan(pp=pp, dp=dp, tp=tp, dom=dom, flavour=flavour, name=name,
-                        pipeline=pipeline, domain=domain)
+                        pipeline=pipeline, domain=domain, tensor=tensor)

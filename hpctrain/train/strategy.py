@@ -27,6 +27,7 @@ def plan_options(cfg: Config, flavour: str | None = None) -> dict:
     from hpctrain.parallel.ddp import DDPOptions
     from hpctrain.parallel.domain.strategy import DomainOptions
     from hpctrain.parallel.pipeline import PipelineOptions
+    from hpctrain.parallel.tensor import TensorOptions
     from hpctrain.parallel.zero import ZeroOptions
 
     t, d, z, pl = cfg.train, cfg.ddp, cfg.zero, cfg.pipeline
@@ -47,6 +48,8 @@ def plan_options(cfg: Config, flavour: str | None = None) -> dict:
                                     activation_checkpointing=t.activation_checkpointing,
                                     dp_sharding=pl.dp_sharding, p2p=pl.p2p),
         "domain": DomainOptions(overlap=cfg.domain.overlap),
+        "tensor": TensorOptions(sequence_parallel=cfg.tensor.sequence_parallel,
+                                plan=dict(cfg.tensor.plan)),
     }
 
 

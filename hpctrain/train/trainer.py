@@ -6,6 +6,7 @@ import math
 import os
 import time
 
+import torch
 
 from hpctrain import checkpoint
 from hpctrain.config import Config
@@ -76,10 +77,16 @@ class Trainer:
             po.loss_fn = self.built.loss_fn
         self.par = parallelize(self.plan, self.built.model, make_optimizer_factory(t), world,
                                options, activation_checkpointing=t.activation_checkpointing)
+        if hasattr(self.par, "check_loss"):  # fails alike on every rank, before training
+            self.par.check_loss(self.built.loss_fn)
         data_rank, data_ranks = self.par.data_shard(world)
         self.sampler = GlobalBatchSampler(len(self.built.dataset), t.global_batch_size, t.seed,
                                           data_rank, data_ranks, t.grad_accum)
         self.start_step, self.history = 0, []
+        # Training randomness (dropout masks) from the run's seed, the same on every rank:
+        # the ranks splitting a model draw whole masks alike and keep their slices
+        # (models/dropout.py). A resume restores the saved state instead.
+        torch.manual_seed(t.seed)
         self._save_s: float | None = None  # wall time of this run's last save
         c = cfg.checkpoint
         checkpoint.clean_stale(c.dir, world.mpi_comm)  # what saves that died left behind

@@ -27,6 +27,14 @@ from tests.mpirun import run_single
     (("zero3", "pp=2,dp=2", 4), ("pipeline+zero3", 2, 2, (1,), "zero3", ["pipeline", "zero3"])),
     (("single", "pp=2,dp=2", 4, "fsdp"), ("pipeline+fsdp", 2, 2, (1,), "fsdp",
                                           ["pipeline", "fsdp"])),
+    # tensor parallel, alone and composed (3D)
+    (("tensor", "", 4), ("tensor", 1, 1, (1,), "ddp", ["tensor", "ddp"])),
+    (("single", "tp=2,dp=2", 4, "zero3"), ("tensor+zero3", 1, 2, (1,), "zero3",
+                                          ["tensor", "zero3"])),
+    (("pipeline", "pp=2,tp=2", 4), ("pipeline+tensor", 2, 1, (1,), "ddp",
+                                    ["tensor", "pipeline", "ddp"])),
+    (("zero1", "pp=2,dp=2,tp=2", 8), ("pipeline+tensor+zero1", 2, 2, (1,), "zero1",
+                                      ["tensor", "pipeline", "zero1"])),
 ])
 def test_plans(args, want):
     p = build_plan(*args)
@@ -43,11 +51,12 @@ def test_pipeline_dp_sharding_is_the_pipelines_flavour():
 @pytest.mark.parametrize("args, match", [
     (("single", "", 2), "launcher started 2 ranks"),
     (("zero2", "", 4, "zero3"), "--strategy zero2 and --dp-flavour zero3 name different"),
-    (("ddp", "tp=2", 4), r"tensor parallel \(tp=2\) is not available yet"),
-    (("single", "pp=2,dom=2", 4, "ddp"), "cannot be combined yet"),
+    (("single", "pp=2,dom=2", 4, "ddp"), "composes with dp only"),
+    (("single", "tp=2,dom=2", 4, "ddp"), "composes with dp only"),
+    (("tensor", "dom=2,dp=2", 4), "strategy 'tensor' uses tp, dp and pp"),
     (("single", "pp=3", 4, "ddp"), "does not divide 4 ranks"),
     (("zero1", "dp=3", 4), "multiply to 3, not 4"),
-    (("pipeline", "dom=2,dp=2", 4), "strategy 'pipeline' uses only pp and dp"),
+    (("pipeline", "dom=2,dp=2", 4), "strategy 'pipeline' uses pp, dp and tp"),
     (("domain", "pp=2,dp=2", 4), "strategy 'domain' uses dp and dom only"),
     (("single", "", 2, "zero4"), "--dp-flavour 'zero4'"),
     (("pipeline", "", 2, "zero3", "zero1"), "disagree"),
@@ -86,5 +95,6 @@ def test_a_plan_that_cannot_run_is_one_line_before_mpi(tmp_path):
                            "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"})
     assert proc.returncode == 2, proc.stdout + proc.stderr
     err = proc.stderr.strip().splitlines()
-    assert err[-1].startswith("hpctrain: error: runtime.mesh = 'pp=2,dom=2': pipeline stages "
-                              "(pp=2) over a domain split (dom=2) cannot be combined yet"), err
+    assert err[-1].startswith("hpctrain: error: runtime.mesh = 'pp=2,dom=2': a domain split "
+                              "(dom=2) composes with dp only, not with pipeline stages or "
+                              "tensor parallel"), err

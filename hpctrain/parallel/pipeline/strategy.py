@@ -52,9 +52,9 @@ def resolve_layout(mesh, world_size: int):
     if not isinstance(mesh, MeshLayout):
         mesh = MeshLayout.parse(mesh or f"pp={world_size},dp=1")
     layout = mesh.resolve(world_size)
-    if layout.tp != 1 or layout.dom_size != 1:
-        raise ValueError(f"mesh {layout.describe()}: the pipeline strategy uses only pp and dp; "
-                         "set tp=1 and dom=1")
+    if layout.dom_size != 1:
+        raise ValueError(f"mesh {layout.describe()}: the pipeline strategy uses pp, dp and tp "
+                         "(each stage tensor-parallel); set dom=1")
     return layout
 
 

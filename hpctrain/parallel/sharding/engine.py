@@ -77,10 +77,14 @@ class ShardPlan:
 class _UnitState:
     """Per-step bookkeeping of one unit's gradients, and where its parameters live."""
 
-    def __init__(self, unit: FlatUnit, copies: list, replicas: tuple):
+    def __init__(self, unit: FlatUnit, copies: list, replicas: tuple, common: tuple = ()):
         self.unit = unit
-        # Partial groups summed only at the step (ranks running different pipeline stages).
-        self.partial = [c.comm for c in _agreed(unit, copies, at_step=True)]
+        # Partial groups summed at the step, after the unit's reduction: (comm, slots: None
+        # for the whole unit). Those summed only at the step (ranks running different
+        # pipeline stages hold a tied weight), and those only some of the unit's parameters
+        # are partial over (under sequence parallel a LayerNorm ran on sequence chunks, the
+        # tensor-parallel weights beside it did not).
+        self.partial = _step_partials(unit, copies, common)
         # Each parameter's share in global norms (a tensor-parallel bias held alike by the
         # tp ranks counts once over them; the flat shards over the shard group are distinct).
         self.weights = [Placement((), copies=c + replicas).norm_weight for c in copies]
@@ -118,9 +122,10 @@ class ShardedModel(Parallelized):
         self._replicas = (Copies("replicate", self.replicate),) if self.replicate else ()
         self._slot_ids = {id(s.param) for u in units for s in u.slots}
         copies = [[placement_of(s.param).copies for s in u.slots] for u in units]
-        self._states = [_UnitState(u, c, self._replicas) for u, c in zip(units, copies)]
-        # Partial groups summed with each unit's reduction (the same for every unit).
-        self.partial = _common_partial(units, copies)
+        # Partial groups summed with each unit's reduction: those of every parameter.
+        common = _common_partial(units, copies)
+        self.partial = [c.comm for c in common]
+        self._states = [_UnitState(u, c, self._replicas, common) for u, c in zip(units, copies)]
         self._micro = 0
         self._final = True
         # The one order in which every rank reduces units: backward's usual order (the last
@@ -276,11 +281,22 @@ class ShardedModel(Parallelized):
                 u.free()
             if u.shard.grad is None:
                 u.shard.grad = torch.zeros_like(u.shard)
-        # A unit's own partial groups (a weight tied across pipeline stages) only now, after
-        # every stage's schedule: mid-schedule the stages are at different actions.
+        # A unit's own partial groups (a weight tied across pipeline stages; a LayerNorm
+        # run on sequence chunks) only now, after every stage's schedule: mid-schedule the
+        # stages are at different actions.
         for st in self._states:
-            for c in st.partial:
-                c.allreduce(st.unit.shard.grad, op="sum")
+            for c, slots in st.partial:
+                grad = st.unit.shard.grad
+                if slots is None:
+                    c.allreduce(grad, op="sum")
+                    continue
+                ranges = st.unit.owned_ranges(slots)
+                if ranges:  # the same ranges on every rank of c: the same unit layout
+                    buf = c.allreduce(torch.cat([grad[a:b] for a, b in ranges]), op="sum")
+                    k = 0
+                    for a, b in ranges:
+                        grad[a:b].copy_(buf[k:k + b - a])
+                        k += b - a
 
     # ---- the step ----------------------------------------------------------------------
 
@@ -326,7 +342,7 @@ class ShardedModel(Parallelized):
             k = 0
             for st in self._states:  # a tied copy: also over the stages holding one
                 n = len(st.had)
-                for c in st.partial:
+                for c, _ in st.partial:
                     sub = had[k:k + n].clone()
                     c.allreduce(sub, op="max")
                     had[k:k + n] = sub
@@ -537,7 +553,7 @@ class ShardedModel(Parallelized):
                 "shard_group": self.comm.size,
                 "replicas": self.replicate.size if self.replicate is not None else 1,
                 "partial_groups": [c.size for c in self.partial] +
-                                  sorted({c.size for st in self._states for c in st.partial}),
+                                  sorted({c.size for st in self._states for c, _ in st.partial}),
                 "trainable_numel": sum(u.numel for u in self.units),
                 "padded_numel": sum(u.padded for u in self.units),
                 "params": params, "grads": self._grad_bytes, "optimizer": optim,
@@ -547,26 +563,28 @@ class ShardedModel(Parallelized):
                 "frozen_params": nbytes([p for _, p in self.frozen])}
 
 
-def _agreed(u: FlatUnit, copies: list, at_step: bool) -> tuple:
-    """The partial groups (summed at the step or with the reduction) of a unit's parameters:
-    one flat buffer is reduced over one set of groups, so they must agree."""
-    found = {tuple(c for c in cs if c.partial and c.at_step == at_step) for cs in copies}
-    if len(found) > 1:
-        raise ValueError(f"unit {u.name!r} mixes parameters whose gradients are partial over "
-                         f"different groups ({sorted(str(f) for f in found)}); a transform must "
-                         f"give them units of their own")
-    return found.pop() if found else ()
+def _step_partials(u: FlatUnit, copies: list, common: tuple) -> list:
+    """[(comm, slots)] a unit's gradients are summed over at the step: the groups some of
+    its parameters are partial over beyond ``common`` (summed with the reduction), with the
+    slots that are (None: all of them), in the order first met (the same on every rank)."""
+    found: dict = {}
+    for slot, cs in zip(u.slots, copies):
+        for c in cs:
+            if c.partial and (c.at_step or c not in common):
+                found.setdefault(c, (c.comm, []))[1].append(slot)
+    return [(comm, None if len(slots) == len(u.slots) else slots)
+            for comm, slots in found.values()]
 
 
-def _common_partial(units: list, copies: list) -> list:
-    """The partial groups summed with every unit's reduction: the same for all units (a
-    model-parallel transform places all of its parameters alike)."""
-    early = {_agreed(u, c, at_step=False) for u, c in zip(units, copies)}
-    if len(early) > 1:
-        raise ValueError("the model's units have gradients partial over different groups "
-                         f"({sorted(str(e) for e in early)}); a model-parallel transform must "
-                         f"place all the parameters the data-parallel flavour shards alike")
-    return [c.comm for c in early.pop()] if early else []
+def _common_partial(units: list, copies: list) -> tuple:
+    """The partial groups (not only at the step) that EVERY parameter of every unit is
+    partial over (a domain split's tiles): summed with each unit's reduction."""
+    per_param = [cs for unit_copies in copies for cs in unit_copies]
+    if not per_param:
+        return ()
+    common = set.intersection(*({c for c in cs if c.partial and not c.at_step}
+                                for cs in per_param))
+    return tuple(c for c in per_param[0] if c in common)
 
 
 def _guard_freed_params(model: nn.Module, units: list) -> None:
