@@ -266,6 +266,16 @@ def _prepare(args, launch):
         check_dataset(cfg, len(built.dataset))
     except ConfigError as exc:
         return _fail(rank, str(exc))
+    plan = cfg.plan(size)
+    if plan.tensor:  # the split the plan asks of this model, and its loss
+        from hpctrain.parallel.tensor import check as check_tensor
+        from hpctrain.train.strategy import plan_options
+
+        try:
+            check_tensor(built.model, plan_options(cfg, plan.flavour)["tensor"], plan.tp,
+                         built.loss_fn)
+        except ValueError as exc:
+            return _fail(rank, str(exc))
     return cfg, built
 
 

@@ -62,11 +62,6 @@ class Composed:
         local = self._executor.forward_backward(self._inner, micro_batches, loss_fn, precision)
         return local if self._tensor is None or self._tensor.tp.rank == 0 else 0.0
 
-    def check_loss(self, loss_fn) -> None:
-        """ValueError if loss_fn cannot run under this plan (local)."""
-        if self._tensor is not None:
-            self._tensor.check_loss(loss_fn)
-
     def data_shard(self, world) -> tuple[int, int]:
         return self._executor.data_shard(world)
 

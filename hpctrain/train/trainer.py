@@ -69,6 +69,14 @@ class Trainer:
         t = cfg.train
         self.precision = Precision(t.precision, world.device)
         options = plan_options(cfg, self.plan.flavour)
+        if self.plan.tensor:  # the split and the loss, checked alike on every rank
+            from hpctrain.parallel.tensor import check as check_tensor
+
+            try:
+                check_tensor(self.built.model, options["tensor"], self.plan.tp,
+                             self.built.loss_fn)
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
         if self.plan.pipeline and cfg.pipeline.balance == "measured":
             n = t.global_batch_size // (t.grad_accum * cfg.pipeline.microbatches)
             x, y = collate(self.built.dataset, range(max(1, n)))
@@ -77,8 +85,6 @@ class Trainer:
             po.loss_fn = self.built.loss_fn
         self.par = parallelize(self.plan, self.built.model, make_optimizer_factory(t), world,
                                options, activation_checkpointing=t.activation_checkpointing)
-        if hasattr(self.par, "check_loss"):  # fails alike on every rank, before training
-            self.par.check_loss(self.built.loss_fn)
         data_rank, data_ranks = self.par.data_shard(world)
         self.sampler = GlobalBatchSampler(len(self.built.dataset), t.global_batch_size, t.seed,
                                           data_rank, data_ranks, t.grad_accum)

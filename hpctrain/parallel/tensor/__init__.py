@@ -1,6 +1,6 @@
 """Tensor parallel (Megatron-LM's column/row-parallel layers, vocabulary-parallel embedding
 and cross-entropy) and sequence parallel, over the mesh's tp group."""
 
-from hpctrain.parallel.tensor.transform import TensorOptions, TensorParallel, prepare
+from hpctrain.parallel.tensor.transform import TensorOptions, TensorParallel, check, prepare
 
-__all__ = ["TensorOptions", "TensorParallel", "prepare"]
+__all__ = ["TensorOptions", "TensorParallel", "check", "prepare"]

@@ -26,7 +26,7 @@ from hpctrain.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLi
 from hpctrain.parallel.tensor.loss import is_cross_entropy, vocab_parallel_cross_entropy
 from hpctrain.parallel.tensor.styles import match_plan, parse_plan
 
-__all__ = ["TensorOptions", "TensorParallel", "prepare"]
+__all__ = ["TensorOptions", "TensorParallel", "check", "prepare"]
 
 _NEEDS = {"colwise": nn.Linear, "vocab_head": nn.Linear, "rowwise": nn.Linear,
           "vocab_embedding": nn.Embedding, "attention_dropout": Dropout}
@@ -60,22 +60,14 @@ class TensorParallel:
         self.dp_rank, self.dp_size = dp_rank, dp_size
 
     # -- the loss and the reported loss --
-    def check_loss(self, loss_fn) -> None:
-        """ValueError unless loss_fn can run on vocabulary-parallel logits (local)."""
-        if self.vocab is not None and not is_cross_entropy(loss_fn):
-            name = getattr(loss_fn, "__qualname__", repr(loss_fn))
-            raise ValueError(
-                f"tensor parallel: the model's output head is split over the vocabulary "
-                f"(vocab_head), so the loss must be the cross-entropy over those logits; the "
-                f"loss {name} is not marked as one. Mark a mean token cross-entropy with "
-                f"`{name}.cross_entropy = True`, or give the head another style")
-
     def adapt_loss(self, loss_fn):
         """The loss to run on this rank's logits (vocab-parallel cross-entropy when the
-        head's vocabulary is split)."""
+        head's vocabulary is split; ``check`` has made sure loss_fn is a cross-entropy)."""
         if self.vocab is None:
             return loss_fn
-        self.check_loss(loss_fn)
+        if not is_cross_entropy(loss_fn):
+            raise ValueError(f"tensor parallel: loss {loss_fn!r} cannot run on "
+                             f"vocabulary-parallel logits (see transform.check)")
         tp, start = self.tp, self.tp.rank * (self.vocab // self.tp.size)
         return lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, tp, start)
 
@@ -282,24 +274,41 @@ def _stack(stack: LayerStack, styles: dict, tp, sp: bool) -> LayerStack:
     return replace(stack, layers=[wrap(layer) for layer in stack.layers])
 
 
-def prepare(model, world, mesh, options: TensorOptions | None = None):
-    """Split model (an nn.Module, or a LayerStack for the pipeline) over ``mesh.comm("tp")``
-    by its plan; return (model, TensorParallel). Every check runs before any communication
-    and fails alike on every rank."""
+def check(model, options: TensorOptions | None, tp: int, loss_fn=None) -> tuple:
+    """Check model's tensor-parallel plan at degree tp (and, given, that loss_fn can run on
+    vocabulary-parallel logits); return (styles by module name, splits by state_dict key,
+    vocabulary of a vocab_head or None). Pure: every rank raises the same ValueError, before
+    any communication."""
     opts = options or TensorOptions()
-    tp = mesh.comm("tp")
     plan = opts.plan or getattr(model, "tp_plan", None) or {}
     if not plan:
-        raise ValueError(f"tensor parallel (tp={tp.size}): the model {type(model).__name__} "
-                         f"has no tensor-parallel plan; give one in [tensor.plan] (module-name "
+        raise ValueError(f"tensor parallel (tp={tp}): the model {type(model).__name__} has no "
+                         f"tensor-parallel plan; give one in [tensor.plan] (module-name "
                          f"patterns -> colwise, rowwise, vocab_embedding, vocab_head, "
                          f"sequence_parallel, attention_dropout) or use tp=1")
     skeleton = _skeleton(model)
     styles = match_plan(parse_plan(plan), [n for n, _ in skeleton.named_modules()])
     for name, module in skeleton.named_modules():
         if name in styles:
-            _check(name, module, styles[name], tp.size)
+            _check(name, module, styles[name], tp)
     splits, vocab = _splits(skeleton, styles)
+    if loss_fn is not None and vocab is not None and not is_cross_entropy(loss_fn):
+        name = getattr(loss_fn, "__qualname__", repr(loss_fn))
+        raise ValueError(
+            f"tensor parallel: the model's output head is split over the vocabulary "
+            f"(vocab_head), so the loss must be the cross-entropy over those logits; the loss "
+            f"{name} is not marked as one. Mark a mean token cross-entropy with "
+            f"`{name}.cross_entropy = True`, or give the head another style")
+    return styles, splits, vocab
+
+
+def prepare(model, world, mesh, options: TensorOptions | None = None):
+    """Split model (an nn.Module, or a LayerStack for the pipeline) over ``mesh.comm("tp")``
+    by its plan; return (model, TensorParallel). Every check runs before any communication
+    and fails alike on every rank."""
+    opts = options or TensorOptions()
+    tp = mesh.comm("tp")
+    styles, splits, vocab = check(model, opts, tp.size)
     sp = bool(opts.sequence_parallel)
     if isinstance(model, LayerStack):
         model = _stack(model, styles, tp, sp)
@@ -308,4 +317,3 @@ def prepare(model, world, mesh, options: TensorOptions | None = None):
         _apply(model, styles, tp, sp, {})
     state = TensorParallel(tp, sp, splits, vocab, mesh.coords["dp"], mesh.size("dp"))
     return model, state
-
