@@ -9,6 +9,8 @@ A checkpoint written at tp=2 x pp=2 resumes under single, dp=4 zero3 and tp=4, a
 written at tp=4 back at tp=2 x pp=2, on the single-process trajectory; ``ckpt export`` of
 the tp=2 x pp=2 checkpoint is the one-process model."""
 
+from pathlib import Path
+
 import h5py
 import numpy as np
 import pytest
@@ -79,6 +81,7 @@ CKPT = [("ck-pp2tp2", 4, ["--strategy", "pipeline", "--mesh", "pp=2,tp=2"] + _sp
         ("ck-back", 4, ["--strategy", "pipeline", "--mesh", "pp=2,tp=2"], STEPS, "ck-tp4",
          ("ck-tp4",))]
 CK_KEY = ("adamw", 0.0, False)
+STATE_SCRIPT = str(Path(__file__).with_name("tensor_state_script.py"))
 
 
 def _ref_id(key):
@@ -111,6 +114,8 @@ def results(tmp_path_factory):
             ck += ["--resume", str(tmp / src / f"ckpt-{10 if src == 'ck-pp2tp2' else 15:06d}.h5")]
         steps.append({"id": cid, "world": ranks, "after": list(after),
                       "argv": _gpt(*CK_KEY) + COMMON + flags + ck + ["--steps", str(n)]})
+    for ranks in (2, 4, 8):
+        steps.append({"id": f"state-{ranks}", "world": ranks, "script": STATE_SCRIPT})
     res = run_steps(tmp, steps, order=[None, 2, 4, 8])
     res["_tmp"] = tmp
     return res
@@ -136,6 +141,12 @@ def test_gpt_matches_single(results, cid):
     got, ref = _ok(results, cid), _ok(results, _ref_id(key))
     assert got["world_size"] == ranks and "tensor" in got["strategy"], got["strategy"]
     _same(got, ref, cid)
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_full_state_dict_is_the_whole_model(results, ranks):
+    """tensor_state_script.py asserted it on every rank (an assertion aborts the launch)."""
+    assert results[f"state-{ranks}"]["rc"] == 0
 
 
 def test_dropout_masks_matter(results):
