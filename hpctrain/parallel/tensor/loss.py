@@ -15,7 +15,7 @@ __all__ = ["vocab_parallel_cross_entropy", "is_cross_entropy"]
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, comm, vocab_start):
-        logits = logits.float()
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp64 stays
         n_local = logits.shape[-1]
         peak = logits.max(dim=-1).values
         comm.allreduce(peak, op="max")
