@@ -56,8 +56,8 @@ def test_more_stages_than_layers():
 def test_mesh_not_fitting_the_world():
     with pytest.raises(ConfigError, match="multiply to 4, not 2"):
         _cfg(mesh="dp=2,pp=2").validate(2)
-    with pytest.raises(ConfigError, match="uses only pp and dp"):
-        _cfg(mesh="pp=2,tp=2").validate(4)
+    with pytest.raises(ConfigError, match="strategy 'pipeline' uses pp, dp and tp"):
+        _cfg(mesh="pp=2,dom=2").validate(4)
 
 
 def test_fp16_rejected():

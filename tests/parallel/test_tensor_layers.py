@@ -101,11 +101,11 @@ BAD = {
                 "one in [tensor.plan] (module-name patterns -> colwise, rowwise, "
                 "vocab_embedding, vocab_head, sequence_parallel, attention_dropout) or use tp=1"),
     "colwise-on-layernorm": (lambda: GPT(vocab=68), 2, {**tp_plan(4), "blocks.*.ln1": "colwise"},
-                             "tensor plan: style colwise splits an torch.nn.modules.linear."
-                             "Linear, but module 'blocks.0.ln1' is a LayerNorm; give it another "
-                             "style or none"),
+                             "tensor plan: style colwise applies to torch.nn.Linear, but "
+                             "module 'blocks.0.ln1' is a LayerNorm; give it another style or "
+                             "none"),
     "attention-dropout-on-linear": (_mlp, 2, {"0": "attention_dropout"},
-                                    "tensor plan: style attention_dropout splits an "
+                                    "tensor plan: style attention_dropout applies to "
                                     "hpctrain.models.dropout.Dropout, but module '0' is a Linear; "
                                     "give it another style or none"),
     "tied-cut-two-ways": (lambda: GPT(vocab=68), 2, {**tp_plan(4), "head": "rowwise"},
@@ -158,10 +158,14 @@ def test_a_sequence_that_does_not_split_is_one_line_before_communicating(op, mes
 
 
 def test_a_loss_that_is_not_cross_entropy_is_refused_for_a_vocab_head():
-    state = TensorParallel(_Comm(2), False, {}, vocab=68, dp_rank=0, dp_size=1)
+    from hpctrain.parallel.tensor import check
+
     with pytest.raises(ValueError, match=r"the loss mse_loss is not marked as one\. Mark a mean "
                                          r"token cross-entropy with `mse_loss\.cross_entropy = "
                                          r"True`, or give the head another style\Z"):
+        check(GPT(vocab=68), None, 2, F.mse_loss)
+    state = TensorParallel(_Comm(2), False, {}, vocab=68, dp_rank=0, dp_size=1)
+    with pytest.raises(ValueError, match="cannot run on vocabulary-parallel logits"):
         state.adapt_loss(F.mse_loss)
 
 

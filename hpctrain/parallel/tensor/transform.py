@@ -30,6 +30,8 @@ __all__ = ["TensorOptions", "TensorParallel", "check", "prepare"]
 
 _NEEDS = {"colwise": nn.Linear, "vocab_head": nn.Linear, "rowwise": nn.Linear,
           "vocab_embedding": nn.Embedding, "attention_dropout": Dropout}
+_NEED_NAMES = {nn.Linear: "torch.nn.Linear", nn.Embedding: "torch.nn.Embedding",
+               Dropout: "hpctrain.models.dropout.Dropout"}
 
 
 @dataclass(frozen=True)
@@ -128,9 +130,9 @@ def _skeleton(model) -> nn.Module:
 def _check(name: str, module: nn.Module, style, n: int) -> None:
     need = _NEEDS.get(style.kind)
     if need is not None and not isinstance(module, need):
-        raise ValueError(f"tensor plan: style {style.kind} splits an {need.__module__}."
-                         f"{need.__name__}, but module {name!r} is a {type(module).__name__}; "
-                         f"give it another style or none")
+        raise ValueError(f"tensor plan: style {style.kind} applies to {_NEED_NAMES[need]}, "
+                         f"but module {name!r} is a {type(module).__name__}; give it another "
+                         f"style or none")
     where = f"tensor parallel over tp={n}: module {name!r} ({style.kind})"
     if style.kind in ("colwise", "vocab_head"):
         out = module.out_features
