@@ -79,7 +79,11 @@ class Composed:
         return self._by_executor("state_meta")
 
     def memory_report(self) -> dict:
-        return self._by_executor("memory_report")
+        report = {**self._by_executor("memory_report"), "strategy": self.name}
+        if self._tensor is not None:  # the bytes are this rank's tp slices
+            report.update(tp=self._tensor.tp.size,
+                          sequence_parallel=self._tensor.sequence_parallel)
+        return report
 
     def full_state_dict(self, rank0_only: bool = False) -> dict:
         """As Parallelized.full_state_dict, the executor assembling the whole model (and

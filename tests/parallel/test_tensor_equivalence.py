@@ -15,7 +15,7 @@ import h5py
 import numpy as np
 import pytest
 
-from tests.mpirun import run_single
+from tests.mpirun import run_mpi, run_single
 from tests.parallel.train_cases import run_steps
 
 pytestmark = pytest.mark.mpi
@@ -144,8 +144,9 @@ def test_gpt_matches_single(results, cid):
 
 
 @pytest.mark.parametrize("ranks", [2, 4, 8])
-def test_full_state_dict_is_the_whole_model(results, ranks):
-    """tensor_state_script.py asserted it on every rank (an assertion aborts the launch)."""
+def test_full_state_dict_and_memory_report(results, ranks):
+    """tensor_state_script.py asserted on every rank (an assertion aborts the launch) that
+    full_state_dict is the one-process model and memory_report the tp-local bytes."""
     assert results[f"state-{ranks}"]["rc"] == 0
 
 
@@ -188,3 +189,20 @@ def _datasets(f) -> list:
     names = []
     f.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) else None)
     return names
+
+
+def test_a_layernorm_left_out_of_sequence_parallel_is_caught(tmp_path):
+    """A user plan that splits the sequence but leaves the LayerNorms out of the
+    sequence_parallel style would train each tp rank's copy on its own chunk: the first
+    step finds their gradients differ and stops the job, naming the parameter."""
+    plan = ('{"tok_emb"="vocab_embedding","pos_emb"="sequence_parallel",'
+            '"blocks.*.attn.qkv"={style="colwise",parts=3,heads=4},'
+            '"blocks.*.attn.proj"="rowwise","blocks.*.mlp.0"="colwise",'
+            '"blocks.*.mlp.2"="rowwise","head"="vocab_head"}')
+    proc = run_mpi(2, ["-m", "hpctrain", "train", "--strategy", "tensor", "--steps", "2"] + GPT
+                   + COMMON + _sp(True) + ["--set", f"tensor.plan={plan}"], check=False,
+                   timeout=120)
+    assert proc.returncode != 0
+    assert ("the gradient of 'blocks.0.ln1.weight' differs between the 2 ranks of group 'tp'"
+            in proc.stdout + proc.stderr), proc.stderr[-3000:]
+    assert "give its module the 'sequence_parallel' style" in proc.stdout + proc.stderr

@@ -144,6 +144,7 @@ class ShardedModel(Parallelized):
         self._next = 0  # position in _order of the next unit to reduce in this backward
         self._reductions = InFlight(plan.reduce_dtype)
         self._grad_bytes = 0
+        self._copies_checked = False
         super().__init__(model, make_optimizer([u.shard for u in units]), world.host)
         for i, st in enumerate(self._states):
             u = st.unit
@@ -297,6 +298,41 @@ class ShardedModel(Parallelized):
                     for a, b in ranges:
                         grad[a:b].copy_(buf[k:k + b - a])
                         k += b - a
+        if not self._copies_checked:
+            self._copies_checked = True
+            self._check_same_copies()
+
+    def _check_same_copies(self) -> None:
+        """Once, at the first step: the gradients of copies placed as 'already the same'
+        (not summed: a tensor-parallel LayerNorm run on whole activations) must be equal on
+        the ranks holding them. A module that in fact ran on sequence chunks (a user plan
+        that leaves a LayerNorm out of the sequence_parallel style) would otherwise train
+        each copy on its chunk alone, silently (collective over those groups)."""
+        stats: dict = {}
+        for st in self._states:
+            grad = st.unit.shard.grad
+            for slot in st.unit.slots:
+                same = [c for c in placement_of(slot.param).copies
+                        if not c.partial and c.size > 1]
+                if not same:
+                    continue
+                part = torch.cat([grad[a:b] for a, b in st.unit.owned_ranges([slot])]
+                                 or [grad[:0]]).double()
+                for c in same:
+                    stats.setdefault(c, []).append((slot.name, float(part.sum()),
+                                                    float(part.abs().sum())))
+        for c, rows in stats.items():
+            v = torch.tensor([[s, -s] for _, s, _ in rows], dtype=torch.float64,
+                             device=self.comm.device)
+            c.comm.allreduce(v, op="max")
+            for (name, _, scale), (hi, neg_lo) in zip(rows, v.tolist()):
+                if hi + neg_lo > 1e-6 * scale + 1e-30:
+                    raise RuntimeError(
+                        f"{self.name}: the gradient of {self.name_of(name)!r} differs between "
+                        f"the {c.size} ranks of group {c.name!r} that hold it as the same copy "
+                        f"(sums {hi:.6g} vs {-neg_lo:.6g}), so it did not see the same "
+                        f"activations there. Under sequence parallel give its module the "
+                        f"'sequence_parallel' style (it ran on sequence chunks)")
 
     # ---- the step ----------------------------------------------------------------------
 
