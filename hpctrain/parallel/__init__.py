@@ -22,6 +22,8 @@ STRATEGY_MODULES = {
     "pipeline": "hpctrain.parallel.pipeline",
     "domain": "hpctrain.parallel.domain.strategy",
     "fsdp": "hpctrain.parallel.fsdp",
+    # options: TensorOptions (sequence parallel, a plan); the model's tp_plan otherwise.
+    "tensor": "hpctrain.parallel.tensor",
 }
 
 
