@@ -5,8 +5,9 @@ with a user TP plan from a TOML file. fp32, 20 steps, sgd and adamw, losses and 
 norm within rtol 1e-5 of one process (clipping cases: the global norm counts every element
 once across tp, pp and dp).
 
-A checkpoint written at tp=2 x pp=2 resumes under single, dp=4 zero3 and tp=4, and one
-written at tp=4 back at tp=2 x pp=2, on the single-process trajectory; ``ckpt export`` of
+A checkpoint written at tp=2 x pp=2 resumes under single, dp=4 zero3 and tp=4, one written
+at tp=4 back at tp=2 x pp=2, one written at tp=2 x dp=2 under zero3 under single, on the
+single-process trajectory; ``ckpt export`` of
 the tp=2 x pp=2 checkpoint is the one-process model."""
 
 from pathlib import Path
@@ -79,7 +80,11 @@ CKPT = [("ck-pp2tp2", 4, ["--strategy", "pipeline", "--mesh", "pp=2,tp=2"] + _sp
         ("ck-zero3", 4, ["--strategy", "zero3"], STEPS, "ck-pp2tp2", ("ck-pp2tp2",)),
         ("ck-tp4", 4, ["--strategy", "tensor"], 15, "ck-pp2tp2", ("ck-pp2tp2",)),
         ("ck-back", 4, ["--strategy", "pipeline", "--mesh", "pp=2,tp=2"], STEPS, "ck-tp4",
-         ("ck-tp4",))]
+         ("ck-tp4",)),
+        # zero3's flat shards of tp slices (the qkv's whole-head boxes included)
+        ("ck-tp2dp2-zero3", 4, ["--mesh", "tp=2,dp=2", "--dp-flavour", "zero3"] + _sp(True),
+         10, None, ()),
+        ("ck-zero3-single", None, [], STEPS, "ck-tp2dp2-zero3", ("ck-tp2dp2-zero3",))]
 CK_KEY = ("adamw", 0.0, False)
 STATE_SCRIPT = str(Path(__file__).with_name("tensor_state_script.py"))
 
@@ -108,10 +113,11 @@ def results(tmp_path_factory):
         steps.append({"id": cid, "world": ranks,
                       "argv": AWKWARD + COMMON + flags + ["--config", str(toml),
                                                           "--steps", str(STEPS)]})
+    saved_at = {cid: n for cid, _, _, n, _, _ in CKPT}
     for cid, ranks, flags, n, src, after in CKPT:
         ck = ["--checkpoint-dir", str(tmp / cid), "--checkpoint-every", str(n), "--keep", "0"]
         if src is not None:
-            ck += ["--resume", str(tmp / src / f"ckpt-{10 if src == 'ck-pp2tp2' else 15:06d}.h5")]
+            ck += ["--resume", str(tmp / src / f"ckpt-{saved_at[src]:06d}.h5")]
         steps.append({"id": cid, "world": ranks, "after": list(after),
                       "argv": _gpt(*CK_KEY) + COMMON + flags + ck + ["--steps", str(n)]})
     for ranks in (2, 4, 8):
@@ -162,7 +168,7 @@ def test_user_plan_matches_single(results, cid):
     _same(_ok(results, cid), _ok(results, "ref-awkward"), cid)
 
 
-@pytest.mark.parametrize("cid", [c[0] for c in CKPT[1:]])
+@pytest.mark.parametrize("cid", [c[0] for c in CKPT if c[4] is not None])
 def test_checkpoint_reshards(results, cid):
     steps = next(n for c, _, _, n, _, _ in CKPT if c == cid)
     _same(_ok(results, cid), _ok(results, _ref_id(CK_KEY)), cid, steps)
