@@ -1,6 +1,8 @@
 """Tensor parallel (Megatron-LM's column/row-parallel layers, vocabulary-parallel embedding
 and cross-entropy) and sequence parallel, over the mesh's tp group."""
 
-from hpctrain.parallel.tensor.transform import TensorOptions, TensorParallel, check, prepare
+from hpctrain.parallel.tensor.checks import TensorOptions, check
+from hpctrain.parallel.tensor.executor import TensorParallel
+from hpctrain.parallel.tensor.transform import prepare
 
 __all__ = ["TensorOptions", "TensorParallel", "check", "prepare"]
