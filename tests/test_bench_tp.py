@@ -60,7 +60,10 @@ def test_bench_tp_table_bytes_and_check(tmp_path):
         assert row["check_before"]["ours_out"] < 1e-5 and row["check_before"]["torch_out"] < 1e-5
         assert row["check_after"]["single"] < row["check_before"]["single"]  # it trained
         assert row["torch_error"] == ""
+        assert sorted(row["cpu_s"]) == ["ours", "single", "torch"]
+        assert all(math.isfinite(v) and v > 0 for v in row["cpu_s"].values())
     assert "sp on: + gradient all-reduce of the sequence-parallel parameters" in out
+    assert out.count(": cpu ms/step (process time") == 2, out
 
 
 def test_formula_and_ring_bytes():
@@ -126,6 +129,7 @@ def test_report_verdicts_and_missing_torch():
         check = {"single": 1.0, "ours": 1.0, "ours_out": 0.0,
                  **({"torch": 1.0, "torch_out": 0.0} if torch_s else {})}
         return {"tp": 2, "sp": sp, "median_s": med, "step_s": {k: [v] for k, v in med.items()},
+                "cpu_s": med,
                 "measured_bytes": 2048, "formula_bytes": 2048,
                 "measured_ops": {"allreduce": 4}, "formula_ops": {"allreduce": 4},
                 "sync_bytes": 0, "sync_ops": {}, "sync_elements": 0, "torch_ops": {},

@@ -24,7 +24,10 @@ its optimizer step). Per configuration (sequence parallel off and/or on):
   not spin (``pipeline._idle_barrier``), so it runs alone on the machine.
 
 The three take turns step by step (the order rotates each round), so drift in the
-machine's load hits all alike; rank 0 prints the medians of the slowest rank's step times.
+machine's load hits all alike; rank 0 prints the medians of the slowest rank's step times,
+and the CPU time of the steps (process time, every thread: gloo's included): on a machine
+shared with other jobs a step's wall time also holds the time its ranks waited for a core,
+which the CPU time leaves out.
 
 Bytes: a recording wrapper around the tp Communicator logs every collective of our layers
 (op, bytes of the tensor). Per rank and step, under the ring algorithm, an all-reduce of N
@@ -368,40 +371,45 @@ class _Runner:
 
 
 def _time_rounds(world, run: _Runner, rounds: int, warmup: int) -> dict:
-    """Median step seconds (slowest rank) of ours, torch and one rank, taking turns."""
+    """Median step seconds (slowest rank) of ours, torch and one rank, taking turns; and
+    the CPU seconds of each step (process time, every thread; the largest over ranks)."""
     from hpctrain.runtime.comm.idle import set_timer_slack
 
     set_timer_slack()
     names = ["ours"] + (["torch"] if run.torch_model is not None else []) + ["single"]
     times = {n: [] for n in names}
+    cpus = {n: [] for n in names}
     logs = []
     for k in range(warmup + rounds):
         for name in names[k % len(names):] + names[:k % len(names)]:
             if name == "single":
                 _idle_barrier(world)
                 if world.rank == 0:
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     run.step_single()
-                    dt = time.perf_counter() - t0
+                    took = (time.perf_counter() - t0, time.process_time() - c0)
                 _idle_barrier(world)
-                dt = world.mpi_comm.bcast(dt if world.rank == 0 else None)
+                dt, cpu = world.mpi_comm.bcast(took if world.rank == 0 else None)
             else:
                 world.mpi_comm.Barrier()
                 if name == "ours":
                     run.tp.log = []
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 if name == "ours":
                     run.step_ours()
-                else:
-                    run.step_torch(count=k == 0)  # counted in a warm-up step: not timed
-                dt = world.host.allreduce_scalars([time.perf_counter() - t0], op="max")[0]
+                else:  # torch's collectives are counted in the first warm-up step
+                    run.step_torch(count=k == 0 and warmup > 0)
+                dt, cpu = world.host.allreduce_scalars(
+                    [time.perf_counter() - t0, time.process_time() - c0], op="max")
                 if name == "ours":
                     logs.append(run.tp.log)
             if k >= warmup:
                 times[name].append(dt)
+                cpus[name].append(cpu)
     if any(log != logs[0] for log in logs):
         raise RuntimeError("bench tp: our steps did not all move the same collectives")
     return {"median_s": {n: statistics.median(t) for n, t in times.items()},
+            "cpu_s": {n: statistics.median(t) for n, t in cpus.items()},
             "step_s": times, "log": logs[0]}
 
 
@@ -420,6 +428,7 @@ def _config(world, mesh, torch_mesh, sp, layers, d_model, heads, seq_len, batch,
     sync = _summary(timed["log"], "sync", tp)
     sync_elems = sum(p.numel() for p in run.partial)
     return {"tp": tp, "sp": sp, "median_s": timed["median_s"], "step_s": timed["step_s"],
+            "cpu_s": timed["cpu_s"],
             "measured_bytes": act["bytes"], "formula_bytes": fml["bytes"],
             "measured_ops": act["ops"], "formula_ops": fml["ops"],
             "sync_bytes": sync["bytes"], "sync_ops": sync["ops"], "sync_elements": sync_elems,
@@ -489,6 +498,12 @@ def report(rows: list, header: dict) -> list:
                      f"loss {a['single']:.6f}, |diff| {deltas(a)}")
         if r["torch_error"]:
             lines.append(f"  sp {sp}: torch TP did not run: {r['torch_error']}")
+        cpu = r["cpu_s"]
+        lines.append(f"  sp {sp}: cpu ms/step (process time of every thread, median, largest "
+                     f"rank; one rank: rank 0): " + ", ".join(
+                         f"{n} {cpu[k] * 1e3:.1f}" for k, n in
+                         (("ours", "ours"), ("torch", "torch"), ("single", "one rank"))
+                         if k in cpu))
         lines.append(f"  sp {sp}: every timed step, ms: ours "
                      + " ".join(f"{t * 1e3:.0f}" for t in r["step_s"]["ours"])
                      + ("; torch " + " ".join(f"{t * 1e3:.0f}" for t in r["step_s"]["torch"])
