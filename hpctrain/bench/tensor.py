@@ -452,9 +452,10 @@ def report(rows: list, header: dict) -> list:
              f"mlp 4x), batch {h['batch']} x seq {h['seq_len']}, fp32, forward+backward+SGD "
              f"step, median of {h['steps']} steps after {h['warmup']} warm-up, {h['ranks']} "
              f"ranks = tp, load average {h['load0']:.2f} -> {h['load1']:.2f}",
-             "  ours: hpctrain.parallel.tensor over MPI; torch: parallelize_module (Colwise q,k,v"
-             ", mlp.0 / Rowwise proj, mlp.2 / SequenceParallel LayerNorms) over gloo; one rank: "
-             "the unsplit stack alone (others asleep)"]
+             "  ours: hpctrain.parallel.tensor over MPI; torch: parallelize_module "
+             "(PrepareModuleInput attn, mlp / Colwise q,k,v, mlp.0 / Rowwise proj, mlp.2 / "
+             "SequenceParallel LayerNorms) over gloo; one rank: the unsplit stack alone (the "
+             "others asleep)"]
     if h.get("shared"):
         lines.append(f"  warning: {h['shared']}; tp ranks share cores, so ours and torch's "
                      f"steps are slowed alike and 'vs one rank' is not a speed-up figure")
