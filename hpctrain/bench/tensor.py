@@ -436,6 +436,20 @@ def _config(world, mesh, torch_mesh, sp, layers, d_model, heads, seq_len, batch,
             "check_before": before, "check_after": after, "sgd_steps": warmup + steps}
 
 
+def _node_cores() -> set:
+    """The CPUs of this machine (not this rank's binding)."""
+    try:
+        with open("/sys/devices/system/cpu/online") as f:
+            text = f.read().strip()
+        out = set()
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+        return out
+    except (OSError, ValueError):
+        return set(range(os.cpu_count() or 1))
+
+
 # -- the report --------------------------------------------------------------------------
 
 TARGET = 1.0  # ours/torch TP step time, same model, batch and mesh
@@ -456,6 +470,12 @@ def report(rows: list, header: dict) -> list:
              "(PrepareModuleInput attn, mlp / Colwise q,k,v, mlp.0 / Rowwise proj, mlp.2 / "
              "SequenceParallel LayerNorms) over gloo; one rank: the unsplit stack alone (the "
              "others asleep)"]
+    if h.get("cores") and h["load0"] >= h["cores"] / 2:
+        lines.append(f"  warning: the machine was busy before the run (load average "
+                     f"{h['load0']:.2f} on {h['cores']} cores): the step times include waiting "
+                     f"for a core, more so for ranks that never sleep (MPI polls) and are bound "
+                     f"to one core (mpirun binds 2 ranks by default; --bind-to none lets them "
+                     f"move); the cpu ms line shows the work done")
     if h.get("shared"):
         lines.append(f"  warning: {h['shared']}; tp ranks share cores, so ours and torch's "
                      f"steps are slowed alike and 'vs one rank' is not a speed-up figure")
@@ -556,7 +576,8 @@ def run(layers: int = 4, d_model: int = 512, heads: int = 8, seq_len: int = 256,
     if world.rank == 0:
         header = {"layers": layers, "d_model": d_model, "heads": heads, "seq_len": seq_len,
                   "batch": batch, "steps": steps, "warmup": warmup, "ranks": n,
-                  "load0": load0, "load1": os.getloadavg()[0], "shared": shared}
+                  "load0": load0, "load1": os.getloadavg()[0], "shared": shared,
+                  "cores": len(_node_cores())}
         print("\n".join(report(rows, header)), flush=True)
         if json_path:
             with open(json_path, "w") as f:
