@@ -477,8 +477,8 @@ def report(rows: list, header: dict) -> list:
                      f"to one core (mpirun binds 2 ranks by default; --bind-to none lets them "
                      f"move); the cpu ms line shows the work done")
     if h.get("shared"):
-        lines.append(f"  warning: {h['shared']}; tp ranks share cores, so ours and torch's "
-                     f"steps are slowed alike and 'vs one rank' is not a speed-up figure")
+        lines.append(f"  warning: {h['shared']}; ours' and torch's steps are slowed alike, "
+                     f"and 'vs one rank' (which runs alone) understates the speed-up")
     lines.append("  bytes: per rank and step, ring algorithm (all-reduce 2(tp-1)/tp N, "
                  "all-gather/reduce-scatter (tp-1)/tp N); formula: Megatron 8(tp-1)/tp "
                  "b*s*h*4 per block")
