@@ -131,6 +131,24 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
     bp.add_argument("--wait", default="sleep", help="how blocked receives wait, comma-separated "
                     "to compare: spin (MPI busy-poll), yield, sleep")
+    bt = bsub.add_parser("tp", help="tensor-parallel step time (tp = the ranks launched) vs "
+                         "torch's parallelize_module (gloo) and one rank; bytes per step vs "
+                         "Megatron's formula")
+    bt.add_argument("--layers", type=_positive_int, default=4, help="GPT blocks in the stack")
+    bt.add_argument("--d-model", type=_positive_int, default=512, help="hidden size")
+    bt.add_argument("--heads", type=_positive_int, default=8, help="attention heads (divisible "
+                    "by tp)")
+    bt.add_argument("--seq-len", type=_positive_int, default=256, help="sequence length "
+                    "(divisible by tp)")
+    bt.add_argument("--batch", type=_positive_int, default=4, help="sequences per step (every "
+                    "tp rank reads the same batch)")
+    bt.add_argument("--steps", type=_positive_int, default=5, help="timed steps (median)")
+    bt.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    bt.add_argument("--sequence-parallel", choices=("off", "on", "both"), default="both",
+                    help="configurations to run")
+    bt.add_argument("--no-torch", action="store_true", help="skip torch's tensor parallel")
+    bt.add_argument("--json", dest="json_path", default="", metavar="PATH",
+                    help="also write the table as JSON to PATH")
     bh = bsub.add_parser("halo", help="halo exchange vs raw MPI Sendrecv; U-Net step time at "
                          "N ranks vs 1 on the same grid, with and without overlap")
     bh.add_argument("--size", type=int, default=512, help="exchange bench: global grid side")
@@ -357,6 +375,12 @@ def cmd_bench(args) -> int:
                             args.steps, args.warmup, not args.no_torch,
                             tuple(args.wait.split(",")), args.model, args.layer_ms, args.p2p,
                             args.layer_sleep)
+    if args.bench_command == "tp":
+        from hpctrain.bench.tensor import run as run_tp
+
+        return run_tp(args.layers, args.d_model, args.heads, args.seq_len, args.batch,
+                      args.steps, args.warmup, args.sequence_parallel, not args.no_torch,
+                      json_path=args.json_path)
     from hpctrain.bench.checkpoint import run
 
     return run(args.mb, args.dir)
