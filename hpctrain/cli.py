@@ -28,6 +28,8 @@ TRAIN_FLAGS = {
     "max_grad_norm": ("train", "max_grad_norm", float, "clip to this global gradient norm"),
     "summary": ("train", "summary", str, "write a JSON summary here (rank 0)"),
     "out_dir": ("train", "out_dir", str, "directory for metrics.csv"),
+    "trace": ("train", "trace_dir", str, "write a Chrome/Perfetto timeline of every rank "
+              "(DIR/trace.json)"),
     "progress": ("train", "progress", str, "progress bar: auto, on, off"),
     "log_every": ("train", "log_every", int, "log every N steps without a progress bar"),
     "mesh": ("runtime", "mesh", str, "mesh degrees, e.g. pp=2,dp=2 or dom=2,dp=2 (composes "

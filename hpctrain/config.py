@@ -79,6 +79,8 @@ class TrainSection:
     max_grad_norm: float = _f(0.0, "clip gradients to this global L2 norm (0: off)", min=0.0)
     summary: str = _f("", "write a JSON summary here (rank 0)")
     out_dir: str = _f("hpctrain-out", "directory for metrics.csv (rank 0)")
+    trace_dir: str = _f("", "write a timeline (Chrome trace / Perfetto JSON, one row per rank: "
+                        "phases, communication, pipeline actions) to DIR/trace.json")
     progress: str = _f("auto", "progress bar: auto (when a terminal), on, off", choices=PROGRESS)
     log_every: int = _f(10, "log a line every N steps when there is no progress bar", min=1)
     model_options: dict = _f(None, "keyword options for the model factory ([train.model_options])",

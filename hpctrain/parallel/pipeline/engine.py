@@ -10,6 +10,7 @@ from hpctrain.models.recompute import checkpoint_without_stat_updates
 from hpctrain.parallel.pipeline import p2p_plan
 from hpctrain.parallel.pipeline.p2p import StageLinks
 from hpctrain.parallel.pipeline.schedule import Action
+from hpctrain.runtime.timeline import TIMELINE
 
 __all__ = ["Engine"]
 
@@ -103,6 +104,9 @@ class Engine:
                 self.after_action(i, a)
             if self.trace is not None:
                 self.trace.append((a.op, a.mb, a.chunk, t0, t1))
+            if TIMELINE.enabled:
+                TIMELINE.span(f"{a.op} mb{a.mb}", "pipeline", TIMELINE.wall(t0),
+                              TIMELINE.wall(t1), stage=g, chunk=a.chunk, micro_batch=a.mb)
         if live or inbox or outbox:
             raise RuntimeError(f"pipeline schedule left activations of {sorted(live)} without "
                                f"a backward, or messages {sorted(map(str, [*inbox, *outbox]))} "
