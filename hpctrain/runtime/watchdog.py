@@ -1,0 +1,226 @@
+"""Stall watchdog: a thread per rank that ends a job stuck in a communication operation.
+
+Every ``poll`` seconds the thread (1) publishes a small heartbeat of this rank's flight record
+(last entries, pending ops, sequence numbers per group) and (2) checks the oldest pending op.
+When one has been pending longer than ``runtime.collective_timeout_s``:
+
+1. the rank asks every rank to report, by creating ``<channel>/request``;
+2. each rank that is alive (its watchdog sees the request within one poll) writes its Python
+   stack (faulthandler, all threads) to ``<out_dir>/stall-rank-R.txt``, its whole flight record
+   to ``<out_dir>/flight-rank-R.json`` and a final heartbeat marked ``responded``;
+3. after a grace period the first rank to create ``<channel>/report`` (O_EXCL: exactly one)
+   reads every heartbeat, prints ONE report naming the op, the step, the ranks pending in it,
+   the ranks that never entered it and what those last recorded, writes it to
+   ``<out_dir>/stall-report.txt``, and calls MPI_Abort (exit code 1): the scheduler frees
+   the nodes. Other ranks abort too if that rank has not after a second grace period.
+
+The channel is a per-job directory, not a communicator: it keeps working when a rank is stopped
+(SIGSTOP) or dead, and needs no MPI call while the stuck one is still in progress. It is made
+by rank 0 at start (under out_dir, or the system temp dir when out_dir is "": then it is
+node-local, so on several nodes the report covers only the ranks of the reporting node) and
+removed by :meth:`Watchdog.stop`. A stopped rank's heartbeat is at most one poll old.
+A rank merely slower than the timeout (long evaluation or checkpoint on rank 0) never
+triggers it: the others' pending op completes before the timeout.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import time
+
+from hpctrain.runtime import abort
+from hpctrain.runtime.flight import RECORDER, describe, human_bytes, write_json
+
+__all__ = ["Watchdog", "start_watchdog", "compose_report"]
+
+
+class Watchdog(threading.Thread):
+    """See the module docstring. ``rank``/``size`` are world ranks."""
+
+    def __init__(self, timeout_s: float, channel: str, out_dir: str, rank: int, size: int,
+                 recorder=RECORDER, owner: bool = False):
+        super().__init__(name="hpctrain-watchdog", daemon=True)
+        self.timeout_s, self.channel, self.out_dir = timeout_s, channel, out_dir
+        self.rank, self.size, self.rec, self._owner = rank, size, recorder, owner
+        self.poll = max(0.05, min(1.0, timeout_s / 10))
+        self.grace = max(3 * self.poll + 1.0, min(10.0, timeout_s / 2))
+        self._stop_event = threading.Event()
+        self._last_count = -1
+        self._responded = False
+
+    # ---- the loop ----------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            while not self._stop_event.wait(self.poll):
+                if os.path.exists(os.path.join(self.channel, "request")):
+                    self._respond()
+                    return
+                self._heartbeat()
+                e = self.rec.oldest_pending()
+                if e is not None and time.time() - e.start > self.timeout_s:
+                    self._request(e)
+                    return
+        except Exception as exc:  # noqa: BLE001 - a broken watchdog must not kill training
+            print(f"hpctrain: watchdog on rank {self.rank} stopped: {exc!r}", file=sys.stderr,
+                  flush=True)
+
+    def stop(self) -> None:
+        """End the thread (clean shutdown; local) and, on rank 0, remove the channel."""
+        self._stop_event.set()
+        if self._owner:
+            shutil.rmtree(self.channel, ignore_errors=True)
+
+    # ---- heartbeats and records ---------------------------------------------------------
+
+    def _hb_path(self, rank: int) -> str:
+        return os.path.join(self.channel, f"hb-{rank}.json")
+
+    def _heartbeat(self, force: bool = False, **extra) -> None:
+        count = self.rec.count
+        pend = len(self.rec.pending)
+        if not force and (count, pend) == self._last_count:
+            return  # nothing new: no file write
+        self._last_count = (count, pend)
+        try:
+            write_json(self._hb_path(self.rank), {
+                "rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
+                "time": time.time(), **self.rec.snapshot(last=4), **extra})
+        except FileNotFoundError:
+            pass  # rank 0 removed the channel at the end of a clean run
+
+    def _dump(self, reason: str) -> None:
+        os.makedirs(self.out_dir, exist_ok=True)
+        stack = os.path.join(self.out_dir, f"stall-rank-{self.rank}.txt")
+        pend = [describe(e.as_dict()) for e in list(self.rec.pending.values())]
+        with open(stack, "w") as f:
+            f.write(f"rank {self.rank} on {socket.gethostname()} pid {os.getpid()}: {reason}\n")
+            f.write("".join(f"pending: {p}\n" for p in pend) + "\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        self.rec.dump(os.path.join(self.out_dir, f"flight-rank-{self.rank}.json"),
+                      rank=self.rank, size=self.size, host=socket.gethostname(),
+                      time=time.time())
+        self._heartbeat(force=True, responded=True)
+
+    # ---- the stall ----------------------------------------------------------------------
+
+    def _request(self, e) -> None:
+        """This rank saw the stall first (or among the first): ask all ranks, then report."""
+        try:
+            fd = os.open(os.path.join(self.channel, "request"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            os.write(fd, json.dumps({"rank": self.rank, "entry": e.as_dict()}).encode())
+            os.close(fd)
+        except FileExistsError:
+            pass
+        self._respond(e)
+
+    def _respond(self, own=None) -> None:
+        self._dump("stall reported" if own is None else
+                   f"pending longer than {self.timeout_s:g} s: {describe(own.as_dict())}")
+        time.sleep(self.grace)  # the other live ranks write their stacks meanwhile
+        try:
+            fd = os.open(os.path.join(self.channel, "report"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            time.sleep(self.grace + 5)  # the reporter aborts the job; if it died, we do
+            print(f"hpctrain: watchdog on rank {self.rank}: aborting the stalled job",
+                  file=sys.stderr, flush=True)
+            abort._abort(1)
+            return
+        os.close(fd)
+        report = compose_report(self.channel, self.size, self.timeout_s, self.out_dir)
+        with open(os.path.join(self.out_dir, "stall-report.txt"), "w") as f:
+            f.write(report + "\n")
+        sys.stderr.write(report + "\n")
+        abort._abort(1)
+
+
+def _load_heartbeats(channel: str, size: int) -> dict[int, dict]:
+    beats = {}
+    for r in range(size):
+        try:
+            with open(os.path.join(channel, f"hb-{r}.json")) as f:
+                beats[r] = json.load(f)
+        except (OSError, ValueError):
+            pass
+    return beats
+
+
+def _members(group: str, size: int) -> list[int]:
+    """World ranks of a group key 'name[0,2]' (all ranks when the key does not list them)."""
+    inner = group[group.rfind("[") + 1:-1]
+    try:
+        return [int(r) for r in inner.split(",")]
+    except ValueError:
+        return list(range(size))
+
+
+def compose_report(channel: str, size: int, timeout_s: float, out_dir: str) -> str:
+    """The one stall report, from the request and every rank's heartbeat."""
+    with open(os.path.join(channel, "request")) as f:
+        req = json.load(f)
+    e = req["entry"]
+    beats = _load_heartbeats(channel, size)
+    group, seq = e["group"], e["seq"]
+    collective = "peer" not in e or e["peer"] is None
+    members = _members(group, size)
+    skey = group if collective else group + ":p2p"
+    entered = [r for r in members if r in beats and beats[r]["seqs"].get(skey, 0) >= seq]
+    never = [r for r in members if r not in entered]
+    responded = sorted(r for r, b in beats.items() if b.get("responded"))
+    silent = [r for r in range(size) if r not in responded]
+    waited = time.time() - e["start"]
+    size_txt = f" ({human_bytes(e['nbytes'])})" if e.get("nbytes") else ""
+    step = f"step {e['step']}: " if e.get("step") is not None else ""
+    lines = [f"hpctrain: STALL {step}{e['op']} #{seq} over {group}{size_txt} pending "
+             f"{waited:.0f} s (timeout {timeout_s:g} s) on ranks {entered}"
+             + (f"; ranks {never} never entered it" if never else "")]
+    for r in silent:
+        b = beats.get(r)
+        if b is None:
+            lines.append(f"  rank {r}: no record at all (never started, or no heartbeat)")
+            continue
+        last = (b.get("pending") or b.get("entries") or [None])[-1]
+        what = describe(last) if last else "nothing"
+        lines.append(f"  rank {r} (pid {b['pid']} on {b['host']}) did not respond (stopped, "
+                     f"dead or busy outside communication); last recorded: {what}")
+    for r in responded:
+        pend = beats[r].get("pending") or []
+        lines.append(f"  rank {r}: pending " + ("; ".join(describe(p) for p in pend) or "nothing")
+                     + f"; stack in {os.path.join(out_dir, f'stall-rank-{r}.txt')}")
+    lines.append(f"  flight records: {out_dir}/flight-rank-R.json "
+                 f"(python -m hpctrain trace flight {out_dir}); aborting the job")
+    return "\n".join(lines)
+
+
+_ACTIVE: Watchdog | None = None
+
+
+def start_watchdog(timeout_s: float, out_dir: str, mpi_comm) -> Watchdog | None:
+    """Start this rank's watchdog (collective over ``mpi_comm``: rank 0 makes the channel and
+    shares its path). Returns None (nothing started) when ``timeout_s`` <= 0 or one rank."""
+    global _ACTIVE
+    if timeout_s <= 0 or mpi_comm.Get_size() == 1:
+        return None
+    if _ACTIVE is not None and _ACTIVE.is_alive():
+        return _ACTIVE
+    rank = mpi_comm.Get_rank()
+    channel = None
+    if rank == 0:
+        base = out_dir or None
+        if base:
+            os.makedirs(base, exist_ok=True)
+        channel = tempfile.mkdtemp(prefix=".hpctrain-watchdog-", dir=base)
+    channel = mpi_comm.bcast(channel, root=0)  # bootstrap only: a pickled string is fine
+    dog = Watchdog(timeout_s, channel, out_dir or channel, rank, mpi_comm.Get_size(),
+                   owner=rank == 0)
+    dog.start()
+    _ACTIVE = dog
+    return dog
