@@ -1,4 +1,4 @@
-"""Command line: ``python -m hpctrain {train,doctor,ckpt,bench}`` (also the ``hpctrain`` script)."""
+"""Command line: ``python -m hpctrain {train,doctor,ckpt,trace,bench}`` (also the ``hpctrain`` script)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,8 @@ TRAIN_FLAGS = {
                    "replicas: ddp, zero1, zero2, zero3 or fsdp"),
     "ranks_per_node": ("runtime", "ranks_per_node", int, "pretend N ranks per node"),
     "device": ("runtime", "device", str, "auto, cpu or cuda"),
+    "collective_timeout_s": ("runtime", "collective_timeout_s", float, "end the job with a "
+                             "stall report when a communication op is pending this long (0: off)"),
     "checkpoint_dir": ("checkpoint", "dir", str, "write checkpoints to this directory"),
     "checkpoint_every": ("checkpoint", "every", int, "checkpoint every N steps"),
     "keep": ("checkpoint", "keep", int, "keep the newest K checkpoints (0: all)"),
@@ -75,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     ce = csub.add_parser("export", help="write the full model state (no optimizer) to OUT.h5")
     ce.add_argument("path")
     ce.add_argument("out")
+    tr = sub.add_parser("trace", help="read records a run left behind")
+    trsub = tr.add_subparsers(dest="trace_command", metavar="ACTION", required=True)
+    tf = trsub.add_parser("flight", help="where the ranks' flight records (flight-rank-R.json, "
+                          "written on a stall) diverge")
+    tf.add_argument("out_dir")
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", metavar="WHAT", required=True)
     bc = bsub.add_parser("checkpoint", help="hpctrain vs torch.distributed.checkpoint vs dd")
@@ -430,6 +437,12 @@ def main(argv=None) -> int:
         return cmd_ckpt(args)
     if args.command == "bench":
         return cmd_bench(args)
+    if args.command == "trace":
+        from hpctrain.runtime.flight_trace import format_divergences
+
+        text, code = format_divergences(args.out_dir)
+        print(text)
+        return code
     if args.command == "jobgen":
         return cmd_jobgen(args)
     raise RuntimeError(f"unhandled command {args.command}")  # argparse rejects unknown ones
