@@ -87,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     bc = bsub.add_parser("checkpoint", help="hpctrain vs torch.distributed.checkpoint vs dd")
     bc.add_argument("--mb", type=_positive_int, default=400, help="model state size in MB")
     bc.add_argument("--dir", default="", help="directory on the disk to test (default: a temp dir)")
+    bf = bsub.add_parser("flight", help="step time with the flight recorder on vs off "
+                         "(target ratio <= 1.01); run under the launcher")
+    bf.add_argument("--strategy", default="zero3", help="strategy to time")
+    bf.add_argument("--model", default="gpt", help="built-in model")
+    bf.add_argument("--steps", type=int, default=10, help="steps per block")
+    bf.add_argument("--blocks", type=int, default=6, help="alternating on/off blocks")
+    bf.add_argument("--batch", type=int, default=16, help="global batch size")
     bm = bsub.add_parser("memory", help="peak RSS per rank of each strategy vs the ZeRO formula "
                          "and torch FSDP2")
     bm.add_argument("--params-m", type=float, default=20.0, help="model size, millions of params")
@@ -359,6 +366,10 @@ def cmd_ckpt(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.bench_command == "flight":
+        from hpctrain.bench.flight import run as run_flight
+
+        return run_flight(args.strategy, args.model, args.steps, args.blocks, args.batch)
     if args.bench_command == "memory":
         from hpctrain.bench.memory import run as run_memory
 

@@ -570,6 +570,9 @@ class _RecordedRequest(Request):
         return getattr(self.__dict__["_req"], attr)
 
 
+_DTYPE_NAMES = {d: str(d).replace("torch.", "") for d in SUPPORTED_DTYPES}
+
+
 def _first_tensor(args, kwargs):
     t = args[0] if args else kwargs.get("tensor")
     return t if isinstance(t, torch.Tensor) else None
@@ -594,7 +597,7 @@ def _op_size(name, args, kwargs):
         peer = args[2] if name.endswith("boxes") and len(args) > 2 else (
             args[1] if len(args) > 1 and not name.endswith("boxes") else
             kwargs.get("dest", kwargs.get("source")))
-    return t.numel() * t.element_size(), str(t.dtype).replace("torch.", ""), peer
+    return t.numel() * t.element_size(), _DTYPE_NAMES.get(t.dtype, ""), peer
 
 
 def _recorded(name: str, fn, nonblocking: bool):
