@@ -18,8 +18,10 @@ The heartbeat is written at most every 0.1 s, and only when it changed.
 The channel is a per-job directory, not a communicator: it keeps working when a rank is stopped
 (SIGSTOP) or dead, and needs no MPI call while the stuck one is still in progress. It is made
 by rank 0 at start (under out_dir, or the system temp dir when out_dir is "": then it is
-node-local, so on several nodes the report covers only the ranks of the reporting node) and
-removed by :meth:`Watchdog.stop`. A stopped rank's heartbeat is at most 0.1 s old.
+node-local, so on several nodes the report covers only the ranks of the reporting node, and
+the stall-rank-R.txt / flight-rank-R.json files go into it; the report names the path) and
+removed by :meth:`Watchdog.stop` at the end of a clean run (a stalled job leaves it: it holds
+the heartbeats the report was made from). A stopped rank's heartbeat is at most 0.1 s old.
 A rank merely slower than the timeout (long evaluation or checkpoint on rank 0) never
 triggers it: the others' pending op completes before the timeout.
 """
