@@ -18,13 +18,16 @@ single attribute test.
 from __future__ import annotations
 
 import json
+import math
 import os
+import struct
 import time
 from collections import deque
 
 from hpctrain.runtime.abort import _context
 
-__all__ = ["RECORDER", "FlightRecorder", "Entry", "group_key", "describe", "human_bytes"]
+__all__ = ["RECORDER", "FlightRecorder", "Entry", "group_key", "members_of", "describe",
+           "human_bytes"]
 
 
 class Entry:
@@ -47,19 +50,69 @@ def group_key(comm) -> str:
     key = comm.__dict__.get("_flight_key")
     if key is None:
         ranks = comm.world_ranks()
-        members = ",".join(map(str, ranks)) if ranks is not None else f"size{comm.size}"
+        members = _ranks_text(ranks) if ranks is not None else f"size{comm.size}"
         key = comm._flight_key = f"{getattr(comm, 'name', 'comm')}[{members}]"
     return key
+
+
+def _ranks_text(ranks) -> str:
+    """'0,2' for few ranks; 'a-b' or 'a-b/step' for an arithmetic run (keys stay short at
+    thousands of ranks)."""
+    ranks = list(ranks)
+    if len(ranks) > 2:
+        d = ranks[1] - ranks[0]
+        if d > 0 and all(b - a == d for a, b in zip(ranks, ranks[1:])):
+            return f"{ranks[0]}-{ranks[-1]}" + (f"/{d}" if d > 1 else "")
+    return ",".join(map(str, ranks))
+
+
+def members_of(group: str, size: int) -> list[int]:
+    """World ranks of a group key ('dp[0,2]', 'world[0-7]', 'dp[1-7/2]'); all ranks when
+    the key does not list them."""
+    inner = group[group.rfind("[") + 1:-1]
+    try:
+        if "-" in inner:
+            first, rest = inner.split("-")
+            last, _, step = rest.partition("/")
+            return list(range(int(first), int(last) + 1, int(step or 1)))
+        return [int(r) for r in inner.split(",")]
+    except ValueError:
+        return list(range(size))
 
 
 def _is_collective(op: str) -> bool:
     return op not in ("send", "recv", "isend", "irecv", "p2p_group", "isend_boxes", "irecv_boxes")
 
 
+# The last op, mirrored into a small memory-mapped file when the watchdog gives one: a rank
+# that is stopped or dead cannot write a heartbeat, but what it last did is in the page cache.
+MIRROR_FMT = "<qqddq24s48s16s"  # count, seq, start, end (nan: pending), step (-1), op, group, phase
+MIRROR_SIZE = struct.calcsize(MIRROR_FMT)
+
+
+def read_mirror(path: str) -> dict | None:
+    """The last op a rank recorded, from its mirror file (None when absent or empty)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MIRROR_SIZE)
+        count, seq, start, end, step, op, group, phase = struct.unpack(MIRROR_FMT, raw)
+    except (OSError, struct.error):
+        return None
+    if count == 0:
+        return None
+    text = [b.rstrip(b"\0").decode(errors="replace") for b in (op, group, phase)]
+    return {"count": count, "seq": seq, "op": text[0], "group": text[1], "phase": text[2] or None,
+            "step": None if step < 0 else step, "start": start,
+            "end": None if math.isnan(end) else end, "nbytes": 0, "peer": None}
+
+
 class FlightRecorder:
     """The per-rank ring buffer of operations (see the module docstring)."""
 
     def __init__(self, capacity: int = 4096):
+        self.mirror = None  # a writable mmap of MIRROR_SIZE bytes, set by the watchdog
+        self._last = None
+        self._enc: dict = {}
         self.enabled = True
         self.ring: deque = deque(maxlen=capacity)
         self.pending: dict[int, Entry] = {}   # id(entry) -> entry, until it completes
@@ -76,12 +129,24 @@ class FlightRecorder:
         self.ring.append(e)
         self.pending[id(e)] = e
         self.count += 1
+        if self.mirror is not None:
+            self._last = e
+            enc = self._enc
+            ob = enc.get(op) or enc.setdefault(op, op.encode()[:24])
+            kb = enc.get(key) or enc.setdefault(key, key.encode()[:48])
+            ph = e.phase or ""
+            pb = enc.get(ph) or enc.setdefault(ph, ph.encode()[:16])
+            step = e.step if isinstance(e.step, int) else -1
+            struct.pack_into(MIRROR_FMT, self.mirror, 0, self.count, seq, e.start, math.nan,
+                             step, ob, kb, pb)
         return e
 
     def end(self, e: Entry) -> None:
         """Record the completion (or failure) of ``e``."""
         e.end = time.time()
         self.pending.pop(id(e), None)
+        if e is self._last and self.mirror is not None:
+            struct.pack_into("<d", self.mirror, 24, e.end)
 
     def op(self, key: str, op: str, nbytes: int = 0, dtype: str = ""):
         """Context manager recording one op not issued through a Communicator (Horovod)."""

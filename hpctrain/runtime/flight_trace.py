@@ -14,7 +14,7 @@ import json
 import os
 import re
 
-from hpctrain.runtime.flight import describe
+from hpctrain.runtime.flight import describe, members_of
 
 __all__ = ["read_records", "divergences", "format_divergences"]
 
@@ -30,12 +30,7 @@ def read_records(directory: str) -> dict[int, dict]:
     return records
 
 
-def _members(group: str, size: int) -> list[int]:
-    inner = group[group.rfind("[") + 1:-1]
-    try:
-        return [int(r) for r in inner.split(",")]
-    except ValueError:
-        return list(range(size))
+_members = members_of
 
 
 def divergences(records: dict[int, dict]) -> list[dict]:
@@ -56,8 +51,11 @@ def divergences(records: dict[int, dict]) -> list[dict]:
         first = min(last.values()) + 1
         if top < first and not unknown:
             continue  # every member entered every op: no divergence here
-        if top < first:  # the known ranks agree; the unknown ones are the suspects
-            first = top
+        if top < first:  # the known ranks agree; the unknown ones are suspects only if
+            first = top  # the known ones still wait in that op
+            if not any(p["group"] == g and p["seq"] == top
+                       for m in known for p in records[m].get("pending") or []):
+                continue
         entered = [m for m in known if last[m] >= first]
         entry = next((e for m in entered for e in records[m]["entries"]
                       if e["group"] == g and e["seq"] == first), None)
@@ -65,6 +63,24 @@ def divergences(records: dict[int, dict]) -> list[dict]:
                     "missing": [m for m in known if last[m] < first], "unknown": unknown,
                     "last": {m: _last_in(records[m], g) for m in known if last[m] < first}})
     return out
+
+
+def _p2p_waits(records: dict[int, dict]) -> list[str]:
+    """Pending point-to-point ops whose peer left no record (p2p sequence numbers differ
+    between peers, so the peer's absence is what can be said)."""
+    size = max(r.get("size", 0) for r in records.values()) or max(records) + 1
+    lines = []
+    for r, rec in sorted(records.items()):
+        for p in rec.get("pending") or []:
+            if p.get("peer") is None:
+                continue
+            members = members_of(p["group"], size)
+            peers = p["peer"] if isinstance(p["peer"], list) else [p["peer"]]
+            gone = sorted({members[q] if q < len(members) else q for q in peers} - set(records))
+            if gone:
+                lines.append(f"divergence in {p['group']} (point-to-point): rank {r} waits in "
+                             f"{describe(p)}; no record from ranks {gone} (stopped or dead?)")
+    return lines
 
 
 def _last_in(record: dict, group: str) -> dict | None:
@@ -82,7 +98,9 @@ def format_divergences(directory: str) -> tuple[str, int]:
         lines.append(f"  rank {r}: {len(rec['entries'])} ops recorded; pending: "
                      + ("; ".join(describe(p) for p in pend) or "none"))
     divs = divergences(records)
-    if not divs:
+    p2p = _p2p_waits(records)
+    lines += p2p
+    if not divs and not p2p:
         lines.append("no divergence: every rank of every group entered the same collectives")
     for d in divs:
         what = describe(d["op"]) if d["op"] else f"#{d['seq']}"

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import mmap
 import os
 import shutil
 import socket
@@ -39,7 +40,8 @@ import threading
 import time
 
 from hpctrain.runtime import abort
-from hpctrain.runtime.flight import RECORDER, describe, human_bytes, write_json
+from hpctrain.runtime.flight import (MIRROR_SIZE, RECORDER, describe, human_bytes, members_of,
+                                    read_mirror, write_json)
 
 __all__ = ["Watchdog", "start_watchdog", "compose_report"]
 
@@ -57,10 +59,19 @@ class Watchdog(threading.Thread):
         self.poll = max(0.02, min(0.1, timeout_s / 10))
         self.grace = max(3 * self.poll + 1.0, min(10.0, timeout_s / 2))
         self._stop_event = threading.Event()
+        self._mirror_file = None
         self._last_count = -1
         self._responded = False
 
     # ---- the loop ----------------------------------------------------------------------
+
+    def attach_mirror(self) -> None:
+        """Mirror the recorder's last op into ``<channel>/last-R.bin`` (read if we stop)."""
+        path = os.path.join(self.channel, f"last-{self.rank}.bin")
+        with open(path, "wb") as f:
+            f.write(b"\0" * MIRROR_SIZE)
+        self._mirror_file = open(path, "r+b")
+        self.rec.mirror = mmap.mmap(self._mirror_file.fileno(), MIRROR_SIZE)
 
     def run(self) -> None:
         try:
@@ -80,6 +91,7 @@ class Watchdog(threading.Thread):
     def stop(self) -> None:
         """End the thread (clean shutdown; local) and, on rank 0, remove the channel."""
         self._stop_event.set()
+        self.rec.mirror = None
         if self._owner:
             shutil.rmtree(self.channel, ignore_errors=True)
 
@@ -149,6 +161,33 @@ class Watchdog(threading.Thread):
         abort._abort(1)
 
 
+def _peers(e: dict, members: list[int]) -> list[int]:
+    """World ranks of a p2p entry's peers (group ranks in the entry)."""
+    peers = e["peer"] if isinstance(e["peer"], list) else [e["peer"]]
+    return [members[p] if p < len(members) else p for p in peers]
+
+
+def _culprit_op(req: dict, beats: dict, responded: list[int], size: int):
+    """(rank, entry) of the pending op that best explains the stall: a collective (then a
+    p2p op) whose group holds a rank that did not respond, the oldest first; else the op that
+    triggered the watchdog."""
+    best, best_key = (req["rank"], req["entry"]), None
+    for r in responded:
+        for e in beats[r].get("pending") or []:
+            members = _members(e["group"], size)
+            collective = e.get("peer") is None
+            involved = members if collective else _peers(e, members)
+            blames = any(m not in responded for m in involved)
+            key = (not blames, not collective, e["start"])
+            if blames and (best_key is None or key < best_key):
+                best, best_key = (r, e), key
+    return best
+
+
+def _entered(last: dict | None, group: str, seq: int) -> bool:
+    return last is not None and last["group"] == group and last["seq"] >= seq
+
+
 def _load_heartbeats(channel: str, size: int) -> dict[int, dict]:
     beats = {}
     for r in range(size):
@@ -160,51 +199,46 @@ def _load_heartbeats(channel: str, size: int) -> dict[int, dict]:
     return beats
 
 
-def _members(group: str, size: int) -> list[int]:
-    """World ranks of a group key 'name[0,2]' (all ranks when the key does not list them)."""
-    inner = group[group.rfind("[") + 1:-1]
-    try:
-        return [int(r) for r in inner.split(",")]
-    except ValueError:
-        return list(range(size))
+_members = members_of
 
 
 def compose_report(channel: str, size: int, timeout_s: float, out_dir: str) -> str:
     """The one stall report, from the request and every rank's heartbeat."""
     with open(os.path.join(channel, "request")) as f:
         req = json.load(f)
-    e = req["entry"]
     beats = _load_heartbeats(channel, size)
-    group, seq = e["group"], e["seq"]
-    collective = "peer" not in e or e["peer"] is None
-    members = _members(group, size)
+    # A silent rank's heartbeat can be a poll old; its mirror holds its very last op.
+    mirrors = {r: read_mirror(os.path.join(channel, f"last-{r}.bin")) for r in range(size)}
     responded = sorted(r for r, b in beats.items() if b.get("responded"))
+    owner, e = _culprit_op(req, beats, responded, size)
+    group, seq = e["group"], e["seq"]
+    collective = e.get("peer") is None
+    members = _members(group, size)
     if collective:
-        entered = [r for r in members if r in beats and beats[r]["seqs"].get(group, 0) >= seq]
+        entered = [r for r in members if r in beats and (
+            beats[r]["seqs"].get(group, 0) >= seq or _entered(mirrors.get(r), group, seq))]
     else:  # p2p sequence numbers differ between peers: the peers' answer is what we know
-        peers = e["peer"] if isinstance(e["peer"], list) else [e["peer"]]
-        local = [members[p] if p < len(members) else p for p in peers]  # group -> world rank
-        entered = [req["rank"]] + [r for r in local if r in responded]
-        members = [req["rank"]] + local
-    never = [r for r in members if r not in entered]
+        members = [owner] + _peers(e, members)
+        entered = [r for r in members if r == owner or r in responded]
+    entered = sorted(set(entered))
+    never = sorted(set(r for r in members if r not in entered))
     silent = [r for r in range(size) if r not in responded]
     waited = time.time() - e["start"]
     size_txt = f" ({human_bytes(e['nbytes'])})" if e.get("nbytes") else ""
     step = f"step {e['step']}: " if e.get("step") is not None else ""
     lines = [f"hpctrain: STALL {step}{e['op']} #{seq} over {group}{size_txt} pending "
              f"{waited:.0f} s (timeout {timeout_s:g} s) on ranks {entered}"
-             + (f"; ranks {never} never entered it" if never else "")]
+             + (("; ranks {} never entered it" if collective else
+                 "; its peer ranks {} never answered").format(never) if never else "")]
     for r in silent:
         b = beats.get(r)
         if b is None:
             lines.append(f"  rank {r}: no record at all (never started, or no heartbeat)")
             continue
-        last = (b.get("pending") or b.get("entries") or [None])[-1]
+        last = mirrors.get(r) or (b.get("pending") or b.get("entries") or [None])[-1]
         what = describe(last) if last else "nothing"
-        # Its heartbeat may predate its last ops by up to one poll (0.1 s): say how old.
         lines.append(f"  rank {r} (pid {b['pid']} on {b['host']}) did not respond (stopped, "
-                     f"dead or busy outside communication); last recorded: {what} "
-                     f"(its last heartbeat, {time.time() - b['time']:.1f} s ago)")
+                     f"dead or busy outside communication); last recorded: {what}")
     for r in responded:
         pend = beats[r].get("pending") or []
         lines.append(f"  rank {r}: pending " + ("; ".join(describe(p) for p in pend) or "nothing")
@@ -235,6 +269,7 @@ def start_watchdog(timeout_s: float, out_dir: str, mpi_comm) -> Watchdog | None:
     channel = mpi_comm.bcast(channel, root=0)  # bootstrap only: a pickled string is fine
     dog = Watchdog(timeout_s, channel, out_dir or channel, rank, mpi_comm.Get_size(),
                    owner=rank == 0)
+    dog.attach_mirror()
     dog.start()
     _ACTIVE = dog
     return dog
