@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     bf.add_argument("--strategy", default="zero3", help="strategy to time")
     bf.add_argument("--model", default="gpt", help="built-in model")
     bf.add_argument("--steps", type=int, default=10, help="steps per block")
-    bf.add_argument("--blocks", type=int, default=6, help="alternating on/off blocks")
+    bf.add_argument("--blocks", type=int, default=8, help="on/off blocks, ABBA order (a multiple of 4)")
     bf.add_argument("--batch", type=int, default=16, help="global batch size")
     bm = bsub.add_parser("memory", help="peak RSS per rank of each strategy vs the ZeRO formula "
                          "and torch FSDP2")
