@@ -66,6 +66,7 @@ class Watchdog(threading.Thread):
         self._stop_event = threading.Event()
         self._mirror_file = None
         self._next_hb = 0.0
+        self.stopped = False
         self._last_count = -1
         self._responded = False
 
@@ -96,6 +97,7 @@ class Watchdog(threading.Thread):
 
     def stop(self) -> None:
         """End the thread (clean shutdown; local) and, on rank 0, remove the channel."""
+        self.stopped = True
         self._stop_event.set()
         self.rec.mirror = None
         if self._owner:
@@ -265,8 +267,8 @@ def start_watchdog(timeout_s: float, out_dir: str, mpi_comm) -> Watchdog | None:
     global _ACTIVE
     if timeout_s <= 0 or mpi_comm.Get_size() == 1:
         return None
-    if _ACTIVE is not None and _ACTIVE.is_alive():
-        return _ACTIVE
+    if _ACTIVE is not None and not _ACTIVE.stopped:  # not is_alive(): that differs by rank
+        return _ACTIVE                                # for a moment after stop()
     rank = mpi_comm.Get_rank()
     channel = None
     if rank == 0:
