@@ -166,3 +166,12 @@ def test_divergence_names_the_first_op_not_entered_by_all():
     (d,) = divergences(records)
     assert (d["seq"], d["op"]["op"], d["entered"], d["missing"]) == (5, "allreduce", [0, 1], [2])
     assert d["last"][2]["op"] == "reduce_scatter"
+
+
+def test_group_keys_stay_short_and_parse_back():
+    from hpctrain.runtime.flight import _ranks_text, members_of
+
+    for ranks, text in (([0, 1], "0,1"), ([0, 2], "0,2"), (list(range(4096)), "0-4095"),
+                        ([1, 3, 5, 7], "1-7/2"), ([0, 5, 6], "0,5,6")):
+        assert _ranks_text(ranks) == text and members_of(f"dp[{text}]", 8) == ranks
+    assert members_of("world[size4]", 4) == [0, 1, 2, 3]
