@@ -1,4 +1,4 @@
-"""Command line: ``python -m hpctrain {train,doctor,ckpt,bench}`` (also the ``hpctrain`` script)."""
+"""Command line: ``python -m hpctrain {train,doctor,ckpt,trace,bench}`` (also the ``hpctrain`` script)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,8 @@ TRAIN_FLAGS = {
                    "replicas: ddp, zero1, zero2, zero3 or fsdp"),
     "ranks_per_node": ("runtime", "ranks_per_node", int, "pretend N ranks per node"),
     "device": ("runtime", "device", str, "auto, cpu or cuda"),
+    "collective_timeout_s": ("runtime", "collective_timeout_s", float, "end the job with a "
+                             "stall report when a communication op is pending this long (0: off)"),
     "checkpoint_dir": ("checkpoint", "dir", str, "write checkpoints to this directory"),
     "checkpoint_every": ("checkpoint", "every", int, "checkpoint every N steps"),
     "keep": ("checkpoint", "keep", int, "keep the newest K checkpoints (0: all)"),
@@ -77,11 +79,23 @@ def build_parser() -> argparse.ArgumentParser:
     ce = csub.add_parser("export", help="write the full model state (no optimizer) to OUT.h5")
     ce.add_argument("path")
     ce.add_argument("out")
+    tr = sub.add_parser("trace", help="read records a run left behind")
+    trsub = tr.add_subparsers(dest="trace_command", metavar="ACTION", required=True)
+    tf = trsub.add_parser("flight", help="where the ranks' flight records (flight-rank-R.json, "
+                          "written on a stall) diverge")
+    tf.add_argument("out_dir")
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", metavar="WHAT", required=True)
     bc = bsub.add_parser("checkpoint", help="hpctrain vs torch.distributed.checkpoint vs dd")
     bc.add_argument("--mb", type=_positive_int, default=400, help="model state size in MB")
     bc.add_argument("--dir", default="", help="directory on the disk to test (default: a temp dir)")
+    bf = bsub.add_parser("flight", help="step time with the flight recorder on vs off "
+                         "(target ratio <= 1.01); run under the launcher")
+    bf.add_argument("--strategy", default="zero3", help="strategy to time")
+    bf.add_argument("--model", default="gpt", help="built-in model")
+    bf.add_argument("--steps", type=int, default=10, help="steps per block")
+    bf.add_argument("--blocks", type=int, default=8, help="on/off blocks, ABBA order (a multiple of 4)")
+    bf.add_argument("--batch", type=int, default=16, help="global batch size")
     bm = bsub.add_parser("memory", help="peak RSS per rank of each strategy vs the ZeRO formula "
                          "and torch FSDP2")
     bm.add_argument("--params-m", type=float, default=20.0, help="model size, millions of params")
@@ -354,6 +368,10 @@ def cmd_ckpt(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.bench_command == "flight":
+        from hpctrain.bench.flight import run as run_flight
+
+        return run_flight(args.strategy, args.model, args.steps, args.blocks, args.batch)
     if args.bench_command == "memory":
         from hpctrain.bench.memory import run as run_memory
 
@@ -432,6 +450,12 @@ def main(argv=None) -> int:
         return cmd_ckpt(args)
     if args.command == "bench":
         return cmd_bench(args)
+    if args.command == "trace":
+        from hpctrain.runtime.flight_trace import format_divergences
+
+        text, code = format_divergences(args.out_dir)
+        print(text)
+        return code
     if args.command == "jobgen":
         return cmd_jobgen(args)
     raise RuntimeError(f"unhandled command {args.command}")  # argparse rejects unknown ones

@@ -189,6 +189,10 @@ class RuntimeSection:
                          "zero3 or fsdp (empty: the strategy's)", choices=("",) + DP_FLAVOURS)
     ranks_per_node: int = _f(0, "pretend this many ranks per node (0: detect)", min=0)
     device: str = _f("auto", "device: auto (GPU by local rank if any), cpu, cuda", choices=DEVICES)
+    collective_timeout_s: float = _f(600.0, "a communication op pending this long on a rank ends "
+                                     "the job with a stall report (0: no watchdog)", min=0.0)
+    flight_recorder: bool = _f(True, "record every communication op per rank (ring buffer; "
+                               "the stall report and `trace flight` read it)")
 
 
 @dataclass

@@ -10,6 +10,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from hpctrain.runtime.abort import set_context
+
 __all__ = ["OptimizerFactory", "Parallelized", "DPGroups"]
 
 # Strategies build the optimizer themselves (sharded ones over their local shard only).
@@ -110,8 +112,10 @@ class Parallelized:
         """
         local = 0.0
         for x, y, weight in micro_batches:
+            set_context(phase="forward")  # named in flight records and stall reports
             with precision.autocast():
                 loss = loss_fn(self.model(x), y)
+            set_context(phase="backward")
             self.backward(precision.scale(loss * weight))
             local += float(loss.detach()) * weight
         return local

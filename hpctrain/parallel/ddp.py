@@ -18,6 +18,7 @@ from hpctrain.errors import UsageError
 from hpctrain.parallel.base import DPGroups, OptimizerFactory, Parallelized
 from hpctrain.parallel.placement import Copies
 from hpctrain.parallel.sync_batchnorm import convert_sync_batchnorm
+from hpctrain.runtime.flight import RECORDER, group_key
 
 __all__ = ["DDPOptions", "wrap"]
 
@@ -58,6 +59,8 @@ class HorovodDDP(Parallelized):
         self._hvd = hvd
         self._host = host_comm
         self._trainable = [p for p in model.parameters() if p.requires_grad]
+        key = group_key(host_comm)  # Horovod reduces over these ranks: the dp group
+        self._flight_group = "dp" + key[key.index("["):]
 
     def _sync_grads(self) -> None:
         # Horovod fills a missing gradient with zeros before reducing it; a parameter that
@@ -66,7 +69,11 @@ class HorovodDDP(Parallelized):
         had = torch.tensor([p.grad is not None for p in self._trainable], dtype=torch.uint8)
         if len(had):
             self._host.allreduce(had, op="max")
-        self.optimizer.synchronize()
+        # Horovod's allreduces start in backward hooks; synchronize waits for them all:
+        # recorded as one op over dp so the watchdog sees a stall inside Horovod too.
+        nbytes = sum(p.numel() * p.element_size() for p in self._trainable)
+        with RECORDER.op(self._flight_group, "hvd.allreduce", nbytes, "float32"):
+            self.optimizer.synchronize()
         for p, flag in zip(self._trainable, had.tolist()):
             if not flag:
                 p.grad = None

@@ -89,8 +89,8 @@ def _groups(world, strategy: str, dp):
     # HYBRID_SHARD: shard over the replicas on this node, replicate across nodes.
     if dp is world.comm and world.comm is world.host:
         return world.node, world.cross  # the runtime's (every rank a replica)
-    node = dp.split(world.node_rank, key=dp.rank)
-    cross = dp.split(node.rank, key=dp.rank)
+    node = dp.split(world.node_rank, key=dp.rank, name="dp.node")
+    cross = dp.split(node.rank, key=dp.rank, name="dp.cross")
     return node, cross
 
 

@@ -67,7 +67,8 @@ def set_context(**items) -> None:
 
 
 def _where() -> str:
-    return "".join(f" at {k} {v}" for k, v in _context.items())
+    # The phase (forward/backward/...) is for flight records; the traceback already shows it.
+    return "".join(f" at {k} {v}" for k, v in _context.items() if k != "phase")
 
 
 def _abort(code: int) -> None:

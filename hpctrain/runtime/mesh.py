@@ -110,7 +110,7 @@ class Mesh:
         self._comms: dict[str, Communicator] = {}
         for dim in DIMS:  # same order on every rank: split is collective
             color = self._rank_of({**self.coords, dim: 0})
-            self._comms[dim] = world.split(color, key=self.coords[dim])
+            self._comms[dim] = world.split(color, key=self.coords[dim], name=dim)
 
     def _coords(self, rank: int) -> dict[str, int]:
         coords = {}

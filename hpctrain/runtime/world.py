@@ -180,12 +180,14 @@ def init_world(ranks_per_node: int = 0, device: str = "auto", env: Mapping[str, 
     host = MPICommunicator(world_mpi)
     node = MPICommunicator(node_mpi)
     cross = MPICommunicator(cross_mpi)
+    host.name, node.name, cross.name = "world", "node", "cross"  # flight-record group names
 
     dev = bind_device(node.rank, node.size, env, requested=device)
     if dev.type == "cuda":
         from hpctrain.runtime.comm.torchdist import TorchDistCommunicator
 
         comm = TorchDistCommunicator.create(world_mpi, backend="nccl")
+        comm.name = "world.nccl"
     else:
         comm = host
     _WORLD = World(launch=launch, mpi_comm=world_mpi, host=host, comm=comm, node=node,

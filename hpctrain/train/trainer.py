@@ -12,6 +12,8 @@ from hpctrain import checkpoint
 from hpctrain.config import Config
 from hpctrain.errors import UsageError
 from hpctrain.runtime.abort import set_context
+from hpctrain.runtime.flight import RECORDER
+from hpctrain.runtime.watchdog import start_watchdog
 from hpctrain.data.sampler import GlobalBatchSampler, collate
 from hpctrain.models.registry import BuiltModel, build, build_layers
 from hpctrain.parallel.orchestrator import parallelize
@@ -64,6 +66,11 @@ class Trainer:
             world = init_world(cfg.runtime.ranks_per_node, cfg.runtime.device)
         self.built = built if built is not None else build_model(cfg, world.size)
         self.world = world
+        # Record communication from the first collective on; the watchdog ends a stalled job
+        # (runtime/flight.py, runtime/watchdog.py).
+        RECORDER.enabled = cfg.runtime.flight_recorder
+        self.watchdog = start_watchdog(cfg.runtime.collective_timeout_s, cfg.train.out_dir,
+                                       world.mpi_comm)
         cfg.validate(world.size)
         self.plan = cfg.plan(world.size)
         t = cfg.train
@@ -116,6 +123,7 @@ class Trainer:
                 f"written, the newest good one is {self._latest_or_none()}. Lower --lr or set "
                 f"--max-grad-norm")
         c = self.cfg.checkpoint
+        set_context(phase="checkpoint")
         t0 = time.perf_counter()
         path = checkpoint.save_checkpoint(c.dir, step, self.par, self.world, self.cfg,
                                           self.sampler, losses, self.precision.scaler, c.keep)
@@ -171,7 +179,9 @@ class Trainer:
 
     def _train_step(self, step: int) -> float:
         """Run one optimizer step; return this rank's weighted share of the global mean loss."""
+        set_context(phase="forward")  # strategies mark "backward" where it begins
         local = self.par.forward_backward(self._micro_batches(step), self.built.loss_fn, self.precision)
+        set_context(phase="optimizer")
         self.par.step(self.precision.scaler, self.cfg.train.max_grad_norm)
         return local
 
@@ -222,7 +232,10 @@ class Trainer:
             set_context(step=None)
             if ck.dir and saved != t.steps:
                 self.save(t.steps, losses)
+            set_context(phase=None)
         finally:
+            if self.watchdog is not None:
+                self.watchdog.stop()
             if preempt is not None:
                 preempt.restore()
             progress.close()

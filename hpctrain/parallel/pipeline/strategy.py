@@ -384,7 +384,7 @@ def _tie_stages(stack: LayerStack, root: nn.Module, pp):
     holders = pp.allgather(flags).tolist() if pp.size > 1 else flags.tolist()
     if not any(holders):
         return None, tied_local
-    sub = pp.split(0 if tied_local else None, key=pp.rank)
+    sub = pp.split(0 if tied_local else None, key=pp.rank, name="pp.tied")
     if not tied_local:
         return None, tied_local
     with torch.no_grad():

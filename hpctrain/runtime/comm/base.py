@@ -148,6 +148,8 @@ class Communicator(ABC):
     size: int
     device: torch.device
     is_active: bool = True
+    #: Group name in flight records and stall reports ('world', 'dp', ...); set by who splits.
+    name: str = "comm"
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(backend={self.backend!r}, rank={self.rank}, "
@@ -314,14 +316,22 @@ class Communicator(ABC):
 
     # ---- management --------------------------------------------------------------------
 
-    def split(self, color: int | None, key: int = 0) -> Communicator:
-        """Split by ``color`` (None: a NullCommunicator), ranked by ``key``; collective over all."""
+    def split(self, color: int | None, key: int = 0, name: str | None = None) -> Communicator:
+        """Split by ``color`` (None: a NullCommunicator), ranked by ``key``; collective over all.
+        ``name`` names the new group in flight records (default: this one's + '.split')."""
         if color is not None and (not _is_int(color) or color < 0):
             raise ValueError(f"split color must be a non-negative int or None, got {color!r}; "
                              "use None for ranks that should not join any group")
         if not _is_int(key):
             raise TypeError(f"split key must be an int, got {key!r}")
-        return self._split(color, key)
+        child = self._split(color, key)
+        child.name = name or f"{self.name}.split"
+        return child
+
+    def world_ranks(self) -> list[int] | None:
+        """The world rank of each member, in this communicator's rank order (None: unknown);
+        flight records name a group instance by them."""
+        return None
 
     def free(self) -> None:
         """Release this communicator's resources (a local call); do not use it afterwards."""
@@ -525,6 +535,102 @@ class Communicator(ABC):
             raise ValueError(f"{name}: out overlaps the input tensor; pass a separate tensor "
                              "or out=None")
         return out
+
+
+# ---- flight recording (runtime/flight.py) -------------------------------------------------
+# One wrapper around each public operation, so every backend and every strategy is recorded
+# alike; size-1 communicators are skipped (nothing can stall there).
+
+
+class _RecordedRequest(Request):
+    """A non-blocking op's request whose completion ends its flight entry; other attributes
+    (``out``) are the wrapped request's."""
+
+    def __init__(self, request, entry, recorder):
+        self._req, self._entry, self._rec = request, entry, recorder
+
+    def wait(self):
+        try:
+            return self._req.wait()
+        finally:
+            self._end()
+
+    def test(self) -> bool:
+        done = self._req.test()
+        if done:
+            self._end()
+        return done
+
+    def _end(self):
+        if self._entry is not None:
+            self._rec.end(self._entry)
+            self._entry = None
+
+    def __getattr__(self, attr):
+        return getattr(self.__dict__["_req"], attr)
+
+
+_DTYPE_NAMES = {d: str(d).replace("torch.", "") for d in SUPPORTED_DTYPES}
+
+
+def _first_tensor(args, kwargs):
+    t = args[0] if args else kwargs.get("tensor")
+    return t if isinstance(t, torch.Tensor) else None
+
+
+def _op_size(name, args, kwargs):
+    """(bytes, dtype name, peer) of a public op's arguments, cheaply."""
+    if name == "p2p_group":
+        items = [*(args[0] if args else kwargs.get("sends", ())),
+                 *(args[1] if len(args) > 1 else kwargs.get("recvs", ()))]
+        nbytes = sum(t.numel() * t.element_size() for t, _, _ in items)
+        dtype = str(items[0][0].dtype).replace("torch.", "") if items else ""
+        return nbytes, dtype, sorted({p for _, p, _ in items}) or None
+    if name == "allreduce_scalars":
+        values = args[0] if args else kwargs.get("values", ())
+        return 8 * len(values), "float64", None
+    t = _first_tensor(args, kwargs)
+    if t is None:
+        return 0, "", None
+    peer = None
+    if name in ("send", "recv", "isend", "irecv", "isend_boxes", "irecv_boxes"):
+        peer = args[2] if name.endswith("boxes") and len(args) > 2 else (
+            args[1] if len(args) > 1 and not name.endswith("boxes") else
+            kwargs.get("dest", kwargs.get("source")))
+    return t.numel() * t.element_size(), _DTYPE_NAMES.get(t.dtype, ""), peer
+
+
+def _recorded(name: str, fn, nonblocking: bool):
+    from hpctrain.runtime.flight import RECORDER, group_key
+
+    def method(self, *args, **kwargs):
+        rec = RECORDER
+        if not rec.enabled or self.size <= 1:
+            return fn(self, *args, **kwargs)
+        nbytes, dtype, peer = _op_size(name, args, kwargs)
+        entry = rec.start(group_key(self), name, nbytes, dtype, peer)
+        try:
+            result = fn(self, *args, **kwargs)
+        except BaseException:
+            rec.end(entry)
+            raise
+        if nonblocking:
+            return _RecordedRequest(result, entry, rec)
+        rec.end(entry)
+        return result
+
+    method.__name__, method.__qualname__, method.__doc__ = name, fn.__qualname__, fn.__doc__
+    method.__wrapped__ = fn
+    return method
+
+
+_BLOCKING_OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall", "barrier",
+                 "allreduce_scalars", "send", "recv", "split")
+_NONBLOCKING_OPS = ("iallreduce", "iallgather", "ireduce_scatter", "isend", "irecv",
+                    "p2p_group", "isend_boxes", "irecv_boxes")
+for _name in _BLOCKING_OPS + _NONBLOCKING_OPS:
+    setattr(Communicator, _name, _recorded(_name, getattr(Communicator, _name),
+                                           _name in _NONBLOCKING_OPS))
 
 
 def box_index(box) -> tuple:

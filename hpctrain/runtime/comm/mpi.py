@@ -278,6 +278,14 @@ class MPICommunicator(Communicator):
             return NullCommunicator(self.backend)
         return MPICommunicator(sub, owned=True)
 
+    def world_ranks(self):
+        ranks = self.__dict__.get("_world_ranks")
+        if ranks is None:  # local: translate through the groups, once
+            world = MPI.COMM_WORLD.Get_group()
+            ranks = self._world_ranks = list(self.comm.Get_group().Translate_ranks(
+                list(range(self.comm.Get_size())), world))
+        return ranks
+
     def _free(self):
         if self._owned and self.comm != MPI.COMM_NULL:
             self.comm.Free()  # sets self.comm to COMM_NULL, so a second free() is harmless

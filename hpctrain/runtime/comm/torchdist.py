@@ -219,6 +219,9 @@ class TorchDistCommunicator(Communicator):
         sub._native_collectives = self._native_collectives
         return sub
 
+    def world_ranks(self):
+        return list(self._ranks)  # torch.distributed global ranks are the MPI world's
+
     def _free(self):
         self._mpi.free()  # frees only MPI comms made by split, never the one given to create
         if self._owns_world and dist.is_initialized():

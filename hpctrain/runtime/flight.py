@@ -1,0 +1,221 @@
+"""Flight recorder: every communication operation of this rank, in a bounded ring buffer.
+
+``Communicator``'s public methods (runtime/comm/base.py) call :meth:`FlightRecorder.start`
+and :meth:`FlightRecorder.end` around the backend hook; a non-blocking op ends when its
+request completes (wait(), or a test() that returned True). Horovod's synchronize (the ddp
+flavour) is recorded through :meth:`FlightRecorder.op`. Each entry holds: the sequence
+number per group (collectives and point-to-point counted apart, as NCCL's flight recorder
+does), op, group, bytes, dtype, peer, step and phase (from ``abort.set_context``), start and
+end times (``time.time()``, comparable across ranks of one machine, roughly across nodes).
+
+The watchdog (runtime/watchdog.py) reads the pending entries from its own thread; the ring and
+the pending dict are only appended/removed under the GIL, so no lock is taken on the hot path.
+Cost: two clock reads and a few dict operations per op (``bench flight`` measures it against
+a step). ``RECORDER.enabled = False`` (runtime.flight_recorder = false) makes recording a
+single attribute test.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import time
+from collections import deque
+
+from hpctrain.runtime.abort import _context
+
+__all__ = ["RECORDER", "FlightRecorder", "Entry", "group_key", "members_of", "describe",
+           "human_bytes"]
+
+
+class Entry:
+    """One operation; ``end`` is None while it is pending."""
+
+    __slots__ = ("seq", "op", "group", "nbytes", "dtype", "peer", "step", "phase", "start", "end")
+
+    def __init__(self, seq, op, group, nbytes, dtype, peer, step, phase, start):
+        self.seq, self.op, self.group, self.nbytes, self.dtype = seq, op, group, nbytes, dtype
+        self.peer, self.step, self.phase, self.start, self.end = peer, step, phase, start, None
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+def group_key(comm) -> str:
+    """'name[r0,r1,...]' (world ranks) naming one instance of a group; cached on the comm.
+
+    Two dp groups of different pipeline stages share the name, not the members."""
+    key = comm.__dict__.get("_flight_key")
+    if key is None:
+        ranks = comm.world_ranks()
+        members = _ranks_text(ranks) if ranks is not None else f"size{comm.size}"
+        key = comm._flight_key = f"{getattr(comm, 'name', 'comm')}[{members}]"
+    return key
+
+
+def _ranks_text(ranks) -> str:
+    """'0,2' for few ranks; 'a-b' or 'a-b/step' for an arithmetic run (keys stay short at
+    thousands of ranks)."""
+    ranks = list(ranks)
+    if len(ranks) > 2:
+        d = ranks[1] - ranks[0]
+        if d > 0 and all(b - a == d for a, b in zip(ranks, ranks[1:])):
+            return f"{ranks[0]}-{ranks[-1]}" + (f"/{d}" if d > 1 else "")
+    return ",".join(map(str, ranks))
+
+
+def members_of(group: str, size: int) -> list[int]:
+    """World ranks of a group key ('dp[0,2]', 'world[0-7]', 'dp[1-7/2]'); all ranks when
+    the key does not list them."""
+    inner = group[group.rfind("[") + 1:-1]
+    try:
+        if "-" in inner:
+            first, rest = inner.split("-")
+            last, _, step = rest.partition("/")
+            return list(range(int(first), int(last) + 1, int(step or 1)))
+        return [int(r) for r in inner.split(",")]
+    except ValueError:
+        return list(range(size))
+
+
+def _is_collective(op: str) -> bool:
+    return op not in ("send", "recv", "isend", "irecv", "p2p_group", "isend_boxes", "irecv_boxes")
+
+
+# The last op, mirrored into a small memory-mapped file when the watchdog gives one: a rank
+# that is stopped or dead cannot write a heartbeat, but what it last did is in the page cache.
+MIRROR_FMT = "<qqddq24s48s16s"  # count, seq, start, end (nan: pending), step (-1), op, group, phase
+MIRROR_SIZE = struct.calcsize(MIRROR_FMT)
+
+
+def read_mirror(path: str) -> dict | None:
+    """The last op a rank recorded, from its mirror file (None when absent or empty)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MIRROR_SIZE)
+        count, seq, start, end, step, op, group, phase = struct.unpack(MIRROR_FMT, raw)
+    except (OSError, struct.error):
+        return None
+    if count == 0:
+        return None
+    text = [b.rstrip(b"\0").decode(errors="replace") for b in (op, group, phase)]
+    return {"count": count, "seq": seq, "op": text[0], "group": text[1], "phase": text[2] or None,
+            "step": None if step < 0 else step, "start": start,
+            "end": None if math.isnan(end) else end, "nbytes": 0, "peer": None}
+
+
+class FlightRecorder:
+    """The per-rank ring buffer of operations (see the module docstring)."""
+
+    def __init__(self, capacity: int = 4096):
+        self.mirror = None  # a writable mmap of MIRROR_SIZE bytes, set by the watchdog
+        self._last = None
+        self._enc: dict = {}
+        self.enabled = True
+        self.ring: deque = deque(maxlen=capacity)
+        self.pending: dict[int, Entry] = {}   # id(entry) -> entry, until it completes
+        self.seqs: dict[str, int] = {}        # group key (+ ':p2p') -> last sequence number
+        self.count = 0                        # operations started (changes = news for heartbeats)
+
+    def start(self, key: str, op: str, nbytes: int = 0, dtype: str = "", peer=None) -> Entry:
+        """Record the start of ``op`` over group ``key``; return its entry for :meth:`end`."""
+        skey = key if _is_collective(op) else key + ":p2p"
+        seq = self.seqs.get(skey, 0) + 1
+        self.seqs[skey] = seq
+        e = Entry(seq, op, key, nbytes, dtype, peer, _context.get("step"),
+                  _context.get("phase"), time.time())
+        self.ring.append(e)
+        self.pending[id(e)] = e
+        self.count += 1
+        if self.mirror is not None:
+            self._last = e
+            enc = self._enc
+            ob = enc.get(op) or enc.setdefault(op, op.encode()[:24])
+            kb = enc.get(key) or enc.setdefault(key, key.encode()[:48])
+            ph = e.phase or ""
+            pb = enc.get(ph) or enc.setdefault(ph, ph.encode()[:16])
+            step = e.step if isinstance(e.step, int) else -1
+            struct.pack_into(MIRROR_FMT, self.mirror, 0, self.count, seq, e.start, math.nan,
+                             step, ob, kb, pb)
+        return e
+
+    def end(self, e: Entry) -> None:
+        """Record the completion (or failure) of ``e``."""
+        e.end = time.time()
+        self.pending.pop(id(e), None)
+        if e is self._last and self.mirror is not None:
+            struct.pack_into("<d", self.mirror, 24, e.end)
+
+    def op(self, key: str, op: str, nbytes: int = 0, dtype: str = ""):
+        """Context manager recording one op not issued through a Communicator (Horovod)."""
+        return _Scope(self, key, op, nbytes, dtype)
+
+    def oldest_pending(self) -> Entry | None:
+        pend = list(self.pending.values())  # one C-level copy: safe against the main thread
+        return min(pend, key=lambda e: e.start) if pend else None
+
+    def snapshot(self, last: int = 0) -> dict:
+        """A JSON-able view: the ring (or its ``last`` entries), pending ops and sequence numbers."""
+        ring = list(self.ring)
+        if last:
+            ring = ring[-last:]
+        return {"entries": [e.as_dict() for e in ring],
+                "pending": [e.as_dict() for e in list(self.pending.values())],
+                "seqs": dict(self.seqs), "count": self.count}
+
+    def dump(self, path: str, **info) -> None:
+        """Write the whole record (plus ``info``: rank, host, ...) to ``path`` atomically."""
+        write_json(path, {**info, **self.snapshot()})
+
+
+class _Scope:
+    def __init__(self, rec, key, op, nbytes, dtype):
+        self._args = (rec, key, op, nbytes, dtype)
+        self._e = None
+
+    def __enter__(self):
+        rec, key, op, nbytes, dtype = self._args
+        if rec.enabled:
+            self._e = rec.start(key, op, nbytes, dtype)
+        return self
+
+    def __exit__(self, *exc):
+        if self._e is not None:
+            self._args[0].end(self._e)
+        return False
+
+
+def write_json(path: str, data) -> None:
+    """Write ``data`` as JSON to ``path`` via a temporary name (readers never see half a file)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+def describe(e: dict) -> str:
+    """'forward, allreduce #12 over dp[0,1] (8.0 MB float32), done' for one entry dict."""
+    size = e.get("nbytes") or 0
+    what = f"{e['op']} #{e['seq']} over {e['group']}"
+    if e.get("peer") is not None:
+        what += f" peer {e['peer']}"
+    if size:
+        what += f" ({human_bytes(size)} {e.get('dtype') or ''})".replace(" )", ")")
+    state = "pending" if e.get("end") is None else "done"
+    where = ", ".join(str(x) for x in (e.get("phase"),) if x)
+    step = f"step {e['step']} " if e.get("step") is not None else ""
+    return f"{step}{where + ', ' if where else ''}{what}, {state}"
+
+
+def human_bytes(n: int) -> str:
+    """'8.0 MB', '12.0 kB', '64 B' (decimal units, as the issue's reports)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+#: The recorder of this process (one per rank; every communicator records into it).
+RECORDER = FlightRecorder()

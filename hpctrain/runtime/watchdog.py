@@ -1,0 +1,285 @@
+"""Stall watchdog: a thread per rank that ends a job stuck in a communication operation.
+
+Every ``poll`` seconds the thread (1) publishes a small heartbeat of this rank's flight record
+(last entries, pending ops, sequence numbers per group) and (2) checks the oldest pending op.
+When one has been pending longer than ``runtime.collective_timeout_s``:
+
+1. the rank asks every rank to report, by creating ``<channel>/request``;
+2. each rank that is alive (its watchdog sees the request within one poll) writes its Python
+   stack (faulthandler, all threads) to ``<out_dir>/stall-rank-R.txt``, its whole flight record
+   to ``<out_dir>/flight-rank-R.json`` and a final heartbeat marked ``responded``;
+3. after a grace period the first rank to create ``<channel>/report`` (O_EXCL: exactly one)
+   reads every heartbeat, prints ONE report naming the op, the step, the ranks pending in it,
+   the ranks that never entered it and what those last recorded, writes it to
+   ``<out_dir>/stall-report.txt``, and calls MPI_Abort (exit code 1): the scheduler frees
+   the nodes. Other ranks abort too if that rank has not after a second grace period.
+
+The heartbeat is written at most every HEARTBEAT_S (0.5 s), and only when it changed; the
+rank's very last op is also mirrored into a memory-mapped file on every op (exact, ~0.5 us).
+The channel is a per-job directory, not a communicator: it keeps working when a rank is stopped
+(SIGSTOP) or dead, and needs no MPI call while the stuck one is still in progress. It is made
+by rank 0 at start (under out_dir, or the system temp dir when out_dir is "": then it is
+node-local, so on several nodes the report covers only the ranks of the reporting node, and
+the stall-rank-R.txt / flight-rank-R.json files go into it; the report names the path) and
+removed by :meth:`Watchdog.stop` at the end of a clean run (a stalled job leaves it: it holds
+the heartbeats the report was made from). A stopped rank's heartbeat is at most 0.5 s old; its mirror is exact.
+A rank merely slower than the timeout (long evaluation or checkpoint on rank 0) never
+triggers it: the others' pending op completes before the timeout.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import mmap
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import time
+
+from hpctrain.runtime import abort
+from hpctrain.runtime.flight import (MIRROR_SIZE, RECORDER, describe, human_bytes, members_of,
+                                    read_mirror, write_json)
+
+__all__ = ["Watchdog", "start_watchdog", "compose_report"]
+
+# Heartbeats (per-group sequence numbers, last entries) at most this often: a JSON write costs
+# ~0.1-1 ms of this rank's time. The exact last op comes from the mmap mirror anyway.
+HEARTBEAT_S = 0.5
+
+
+class Watchdog(threading.Thread):
+    """See the module docstring. ``rank``/``size`` are world ranks."""
+
+    def __init__(self, timeout_s: float, channel: str, out_dir: str, rank: int, size: int,
+                 recorder=RECORDER, owner: bool = False):
+        super().__init__(name="hpctrain-watchdog", daemon=True)
+        self.timeout_s, self.channel, self.out_dir = timeout_s, channel, out_dir
+        self.rank, self.size, self.rec, self._owner = rank, size, recorder, owner
+        # 10 Hz checks (a look at the pending dict and one stat): ranks answer a report
+        # request within 0.1 s.
+        self.poll = max(0.02, min(0.1, timeout_s / 10))
+        self.grace = max(3 * self.poll + 1.0, min(10.0, timeout_s / 2))
+        self._stop_event = threading.Event()
+        self._mirror_file = None
+        self._next_hb = 0.0
+        self.stopped = False
+        self._last_count = -1
+        self._responded = False
+
+    # ---- the loop ----------------------------------------------------------------------
+
+    def attach_mirror(self) -> None:
+        """Mirror the recorder's last op into ``<channel>/last-R.bin`` (read if we stop)."""
+        path = os.path.join(self.channel, f"last-{self.rank}.bin")
+        with open(path, "wb") as f:
+            f.write(b"\0" * MIRROR_SIZE)
+        self._mirror_file = open(path, "r+b")
+        self.rec.mirror = mmap.mmap(self._mirror_file.fileno(), MIRROR_SIZE)
+
+    def run(self) -> None:
+        try:
+            while not self._stop_event.wait(self.poll):
+                if os.path.exists(os.path.join(self.channel, "request")):
+                    self._respond()
+                    return
+                self._heartbeat()
+                e = self.rec.oldest_pending()
+                if e is not None and time.time() - e.start > self.timeout_s:
+                    self._request(e)
+                    return
+        except Exception as exc:  # noqa: BLE001 - a broken watchdog must not kill training
+            print(f"hpctrain: watchdog on rank {self.rank} stopped: {exc!r}", file=sys.stderr,
+                  flush=True)
+
+    def stop(self) -> None:
+        """End the thread (clean shutdown; local) and, on rank 0, remove the channel."""
+        self.stopped = True
+        self._stop_event.set()
+        self.rec.mirror = None
+        if self._owner:
+            shutil.rmtree(self.channel, ignore_errors=True)
+
+    # ---- heartbeats and records ---------------------------------------------------------
+
+    def _hb_path(self, rank: int) -> str:
+        return os.path.join(self.channel, f"hb-{rank}.json")
+
+    def _heartbeat(self, force: bool = False, **extra) -> None:
+        count = self.rec.count
+        pend = len(self.rec.pending)
+        now = time.monotonic()
+        if not force and ((count, pend) == self._last_count or now < self._next_hb):
+            return  # nothing new, or written less than HEARTBEAT_S ago: no file write
+        self._next_hb = now + HEARTBEAT_S
+        self._last_count = (count, pend)
+        try:
+            write_json(self._hb_path(self.rank), {
+                "rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
+                "time": time.time(), **self.rec.snapshot(last=4), **extra})
+        except FileNotFoundError:
+            pass  # rank 0 removed the channel at the end of a clean run
+
+    def _dump(self, reason: str) -> None:
+        os.makedirs(self.out_dir, exist_ok=True)
+        stack = os.path.join(self.out_dir, f"stall-rank-{self.rank}.txt")
+        pend = [describe(e.as_dict()) for e in list(self.rec.pending.values())]
+        with open(stack, "w") as f:
+            f.write(f"rank {self.rank} on {socket.gethostname()} pid {os.getpid()}: {reason}\n")
+            f.write("".join(f"pending: {p}\n" for p in pend) + "\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        self.rec.dump(os.path.join(self.out_dir, f"flight-rank-{self.rank}.json"),
+                      rank=self.rank, size=self.size, host=socket.gethostname(),
+                      time=time.time())
+        self._heartbeat(force=True, responded=True)
+
+    # ---- the stall ----------------------------------------------------------------------
+
+    def _request(self, e) -> None:
+        """This rank saw the stall first (or among the first): ask all ranks, then report."""
+        try:
+            fd = os.open(os.path.join(self.channel, "request"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            os.write(fd, json.dumps({"rank": self.rank, "entry": e.as_dict()}).encode())
+            os.close(fd)
+        except FileExistsError:
+            pass
+        self._respond(e)
+
+    def _respond(self, own=None) -> None:
+        if os.path.exists(os.path.join(self.channel, "report")):
+            return  # reported already: Open MPI's abort SIGCONTs a stopped rank before killing it
+        self._dump("stall reported" if own is None else
+                   f"pending longer than {self.timeout_s:g} s: {describe(own.as_dict())}")
+        time.sleep(self.grace)  # the other live ranks write their stacks meanwhile
+        try:
+            fd = os.open(os.path.join(self.channel, "report"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            time.sleep(self.grace + 5)  # the reporter aborts the job; if it died, we do
+            print(f"hpctrain: watchdog on rank {self.rank}: aborting the stalled job",
+                  file=sys.stderr, flush=True)
+            abort._abort(1)
+            return
+        os.close(fd)
+        report = compose_report(self.channel, self.size, self.timeout_s, self.out_dir)
+        with open(os.path.join(self.out_dir, "stall-report.txt"), "w") as f:
+            f.write(report + "\n")
+        sys.stderr.write(report + "\n")
+        abort._abort(1)
+
+
+def _peers(e: dict, members: list[int]) -> list[int]:
+    """World ranks of a p2p entry's peers (group ranks in the entry)."""
+    peers = e["peer"] if isinstance(e["peer"], list) else [e["peer"]]
+    return [members[p] if p < len(members) else p for p in peers]
+
+
+def _culprit_op(req: dict, beats: dict, responded: list[int], size: int):
+    """(rank, entry) of the pending op that best explains the stall: a collective (then a
+    p2p op) whose group holds a rank that did not respond, the oldest first; else the op that
+    triggered the watchdog."""
+    best, best_key = (req["rank"], req["entry"]), None
+    for r in responded:
+        for e in beats[r].get("pending") or []:
+            members = _members(e["group"], size)
+            collective = e.get("peer") is None
+            involved = members if collective else _peers(e, members)
+            blames = any(m not in responded for m in involved)
+            key = (not blames, not collective, e["start"])
+            if blames and (best_key is None or key < best_key):
+                best, best_key = (r, e), key
+    return best
+
+
+def _entered(last: dict | None, group: str, seq: int) -> bool:
+    return last is not None and last["group"] == group and last["seq"] >= seq
+
+
+def _load_heartbeats(channel: str, size: int) -> dict[int, dict]:
+    beats = {}
+    for r in range(size):
+        try:
+            with open(os.path.join(channel, f"hb-{r}.json")) as f:
+                beats[r] = json.load(f)
+        except (OSError, ValueError):
+            pass
+    return beats
+
+
+_members = members_of
+
+
+def compose_report(channel: str, size: int, timeout_s: float, out_dir: str) -> str:
+    """The one stall report, from the request and every rank's heartbeat."""
+    with open(os.path.join(channel, "request")) as f:
+        req = json.load(f)
+    beats = _load_heartbeats(channel, size)
+    # A silent rank's heartbeat can be a poll old; its mirror holds its very last op.
+    mirrors = {r: read_mirror(os.path.join(channel, f"last-{r}.bin")) for r in range(size)}
+    responded = sorted(r for r, b in beats.items() if b.get("responded"))
+    owner, e = _culprit_op(req, beats, responded, size)
+    group, seq = e["group"], e["seq"]
+    collective = e.get("peer") is None
+    members = _members(group, size)
+    if collective:
+        entered = [r for r in members if r in beats and (
+            beats[r]["seqs"].get(group, 0) >= seq or _entered(mirrors.get(r), group, seq))]
+    else:  # p2p sequence numbers differ between peers: the peers' answer is what we know
+        members = [owner] + _peers(e, members)
+        entered = [r for r in members if r == owner or r in responded]
+    entered = sorted(set(entered))
+    never = sorted(set(r for r in members if r not in entered))
+    silent = [r for r in range(size) if r not in responded]
+    waited = time.time() - e["start"]
+    size_txt = f" ({human_bytes(e['nbytes'])})" if e.get("nbytes") else ""
+    step = f"step {e['step']}: " if e.get("step") is not None else ""
+    lines = [f"hpctrain: STALL {step}{e['op']} #{seq} over {group}{size_txt} pending "
+             f"{waited:.0f} s (timeout {timeout_s:g} s) on ranks {entered}"
+             + (("; ranks {} never entered it" if collective else
+                 "; its peer ranks {} never answered").format(never) if never else "")]
+    for r in silent:
+        b = beats.get(r)
+        if b is None:
+            lines.append(f"  rank {r}: no record at all (never started, or no heartbeat)")
+            continue
+        last = mirrors.get(r) or (b.get("pending") or b.get("entries") or [None])[-1]
+        what = describe(last) if last else "nothing"
+        lines.append(f"  rank {r} (pid {b['pid']} on {b['host']}) did not respond (stopped, "
+                     f"dead or busy outside communication); last recorded: {what}")
+    for r in responded:
+        pend = beats[r].get("pending") or []
+        lines.append(f"  rank {r}: pending " + ("; ".join(describe(p) for p in pend) or "nothing")
+                     + f"; stack in {os.path.join(out_dir, f'stall-rank-{r}.txt')}")
+    lines.append(f"  flight records: {out_dir}/flight-rank-R.json "
+                 f"(python -m hpctrain trace flight {out_dir}); aborting the job")
+    return "\n".join(lines)
+
+
+_ACTIVE: Watchdog | None = None
+
+
+def start_watchdog(timeout_s: float, out_dir: str, mpi_comm) -> Watchdog | None:
+    """Start this rank's watchdog (collective over ``mpi_comm``: rank 0 makes the channel and
+    shares its path). Returns None (nothing started) when ``timeout_s`` <= 0 or one rank."""
+    global _ACTIVE
+    if timeout_s <= 0 or mpi_comm.Get_size() == 1:
+        return None
+    if _ACTIVE is not None and not _ACTIVE.stopped:  # not is_alive(): that differs by rank
+        return _ACTIVE                                # for a moment after stop()
+    rank = mpi_comm.Get_rank()
+    channel = None
+    if rank == 0:
+        base = out_dir or None
+        if base:
+            os.makedirs(base, exist_ok=True)
+        channel = tempfile.mkdtemp(prefix=".hpctrain-watchdog-", dir=base)
+    channel = mpi_comm.bcast(channel, root=0)  # bootstrap only: a pickled string is fine
+    dog = Watchdog(timeout_s, channel, out_dir or channel, rank, mpi_comm.Get_size(),
+                   owner=rank == 0)
+    dog.attach_mirror()
+    dog.start()
+    _ACTIVE = dog
+    return dog

@@ -1,0 +1,177 @@
+"""Fault suite of the stall watchdog (issue #19) under real mpirun, and the trace reader.
+
+Each fault runs for ddp, zero3, fsdp and pipeline at 2 ranks; the four jobs of one fault are
+launched together (they mostly wait out a timeout), so the file stays near a minute and a half.
+Time bounds are measured from the fault (the fixture writes its time), not from the launch,
+so the start-up of torch on a shared 2-core machine does not count against them.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hpctrain.runtime.flight import FlightRecorder
+from hpctrain.runtime.flight_trace import divergences, format_divergences
+from tests.mpirun import ROOT, mpi_env
+
+STRATEGIES = ("ddp", "zero3", "fsdp", "pipeline")
+TIMEOUT_S = 4.0
+
+
+def _launch(tmp_path, strategy, kind, call=5, extra_env=None, timeout_s=TIMEOUT_S):
+    d = tmp_path / f"{strategy}-{kind}"
+    d.mkdir()
+    env = mpi_env({"STALL_DIR": str(d), "STALL_KIND": kind, "STALL_RANK": "1",
+                   "STALL_CALL": str(call), **(extra_env or {})})
+    cmd = ["mpirun", "-n", "2", "--oversubscribe", "--bind-to", "none", sys.executable,
+           "-m", "hpctrain", "train", "--strategy", strategy, "--steps", "40",
+           "--model", "tests.fixtures.stall:factory", "--progress", "off",
+           "--out-dir", str(d), "--collective-timeout-s", str(timeout_s)]
+    out, err = open(d / "stdout", "w"), open(d / "stderr", "w")
+    return d, subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=err)
+
+
+def _finish(jobs, limit_s=150):
+    """Wait for every job; return {strategy: (dir, returncode, end time, stderr)}; never leave
+    a stopped or running rank behind."""
+    deadline, done = time.time() + limit_s, {}
+    try:
+        for name, (d, proc) in jobs.items():
+            try:
+                proc.wait(timeout=max(1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            done[name] = (d, proc.returncode, time.time() if name not in done else None,
+                          (d / "stderr").read_text())
+    finally:
+        for d, proc in jobs.values():
+            if proc.poll() is None:
+                proc.kill()
+            for f in d.glob("pid-*"):
+                pid = int(f.read_text())
+                for sig in (signal.SIGCONT, signal.SIGKILL):
+                    try:
+                        os.kill(pid, sig)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+    return done
+
+
+def _end_times(jobs):
+    """Poll all jobs together so each one's end time is its own."""
+    ends = {}
+    deadline = time.time() + 150
+    while len(ends) < len(jobs) and time.time() < deadline:
+        for name, (_, proc) in jobs.items():
+            if name not in ends and proc.poll() is not None:
+                ends[name] = time.time()
+        time.sleep(0.1)
+    return ends
+
+
+def _fault_time(d):
+    return float((d / "fault-time").read_text())
+
+
+@pytest.mark.mpi
+def test_a_stopped_rank_is_named_and_the_job_ends(tmp_path):
+    jobs = {s: _launch(tmp_path, s, "stop") for s in STRATEGIES}
+    ends = _end_times(jobs)
+    done = _finish(jobs)
+    for s, (d, rc, _, err) in done.items():
+        assert rc != 0, (s, err)
+        took = ends[s] - _fault_time(d)
+        assert took < TIMEOUT_S + 30, (s, took, err)
+        assert "hpctrain: STALL" in err and err.count("hpctrain: STALL") == 1, (s, err)
+        assert ("ranks [1] never entered it" in err if s != "pipeline" else
+                "its peer ranks [1] never answered" in err), (s, err)
+        assert "last recorded: step " in err, (s, err)  # rank 1's last op, from its mirror
+        assert "rank 1 (pid" in err and "did not respond" in err, (s, err)
+        stack = (d / "stall-rank-0.txt").read_text()
+        # the live rank's main thread is inside the pending op (our comm layer or Horovod's)
+        assert "hpctrain/runtime/comm/" in stack or "synchronize" in stack, (s, stack)
+        assert not (d / "stall-rank-1.txt").exists()
+        record = json.loads((d / "flight-rank-0.json").read_text())
+        assert record["rank"] == 0 and record["pending"], (s, record["pending"])
+        text, code = format_divergences(str(d))
+        assert code == 0 and "divergence in" in text and "no record from ranks [1]" in text, \
+            (s, text)
+
+
+@pytest.mark.mpi
+def test_a_killed_rank_ends_the_job(tmp_path):
+    jobs = {s: _launch(tmp_path, s, "kill") for s in STRATEGIES}
+    ends = _end_times(jobs)
+    done = _finish(jobs)
+    for s, (d, rc, _, err) in done.items():
+        assert rc != 0, (s, err)
+        assert ends[s] - _fault_time(d) < 30, (s, ends[s] - _fault_time(d), err)
+
+
+@pytest.mark.mpi
+def test_an_exception_names_the_rank_and_a_slow_rank_is_left_alone(tmp_path):
+    jobs = {s: _launch(tmp_path, s, "raise") for s in STRATEGIES}
+    # Slower than the others by half the timeout, twice: must finish normally.
+    jobs["slow"] = _launch(tmp_path, "zero3", "sleep", call=5, timeout_s=2 * TIMEOUT_S,
+                           extra_env={"STALL_SLEEP_S": str(TIMEOUT_S)})
+    ends = _end_times(jobs)
+    done = _finish(jobs)
+    d, rc, _, err = done.pop("slow")
+    assert rc == 0 and "STALL" not in err, err
+    assert not list(d.glob("stall-rank-*.txt"))
+    for s, (d, rc, _, err) in done.items():
+        assert rc != 0, (s, err)
+        assert ends[s] - _fault_time(d) < 30, (s, err)
+        assert "[hpctrain rank 1/2" in err and "injected failure" in err, (s, err)
+
+
+# ---- no MPI ---------------------------------------------------------------------------
+
+
+def test_recorder_counts_per_group_and_tracks_pending():
+    rec = FlightRecorder(capacity=3)
+    a = rec.start("dp[0,1]", "allreduce", 8, "float32")
+    rec.end(a)
+    b = rec.start("dp[0,1]", "allgather", 16, "float32")
+    c = rec.start("pp[0,1]", "isend", 4, "float32", peer=1)
+    assert (a.seq, b.seq, c.seq) == (1, 2, 1)
+    assert rec.oldest_pending() is b
+    rec.end(b)
+    rec.end(c)
+    assert rec.oldest_pending() is None
+    for _ in range(5):
+        rec.end(rec.start("dp[0,1]", "barrier"))
+    assert len(rec.ring) == 3 and rec.seqs["dp[0,1]"] == 7 and rec.seqs["pp[0,1]:p2p"] == 1
+
+
+def test_divergence_names_the_first_op_not_entered_by_all():
+    def entry(seq, op, end=1.0):
+        return {"seq": seq, "op": op, "group": "dp[0,1,2]", "nbytes": 8, "dtype": "float32",
+                "peer": None, "step": 3, "phase": "backward", "start": 0.0, "end": end}
+    records = {
+        0: {"size": 3, "seqs": {"dp[0,1,2]": 5}, "entries": [entry(4, "reduce_scatter"),
+                                                         entry(5, "allreduce", None)],
+            "pending": [entry(5, "allreduce", None)]},
+        1: {"size": 3, "seqs": {"dp[0,1,2]": 5}, "entries": [entry(5, "allreduce", None)],
+            "pending": [entry(5, "allreduce", None)]},
+        2: {"size": 3, "seqs": {"dp[0,1,2]": 4}, "entries": [entry(4, "reduce_scatter")],
+            "pending": []},
+    }
+    (d,) = divergences(records)
+    assert (d["seq"], d["op"]["op"], d["entered"], d["missing"]) == (5, "allreduce", [0, 1], [2])
+    assert d["last"][2]["op"] == "reduce_scatter"
+
+
+def test_group_keys_stay_short_and_parse_back():
+    from hpctrain.runtime.flight import _ranks_text, members_of
+
+    for ranks, text in (([0, 1], "0,1"), ([0, 2], "0,2"), (list(range(4096)), "0-4095"),
+                        ([1, 3, 5, 7], "1-7/2"), ([0, 5, 6], "0,5,6")):
+        assert _ranks_text(ranks) == text and members_of(f"dp[{text}]", 8) == ranks
+    assert members_of("world[size4]", 4) == [0, 1, 2, 3]
