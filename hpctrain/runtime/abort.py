@@ -64,6 +64,11 @@ def set_context(**items) -> None:
             _context.pop(key, None)
         else:
             _context[key] = value
+    if "phase" in items:
+        from hpctrain.runtime.timeline import TIMELINE
+
+        if TIMELINE.enabled:  # --trace: phases are spans on the rank's timeline
+            TIMELINE.phase(items["phase"])
 
 
 def _where() -> str:

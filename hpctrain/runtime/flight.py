@@ -25,6 +25,7 @@ import time
 from collections import deque
 
 from hpctrain.runtime.abort import _context
+from hpctrain.runtime.timeline import TIMELINE
 
 __all__ = ["RECORDER", "FlightRecorder", "Entry", "group_key", "members_of", "describe",
            "human_bytes"]
@@ -147,6 +148,8 @@ class FlightRecorder:
         self.pending.pop(id(e), None)
         if e is self._last and self.mirror is not None:
             struct.pack_into("<d", self.mirror, 24, e.end)
+        if TIMELINE.enabled:  # --trace: every finished op is a span on the rank's comm row
+            TIMELINE.op(e)
 
     def op(self, key: str, op: str, nbytes: int = 0, dtype: str = ""):
         """Context manager recording one op not issued through a Communicator (Horovod)."""

@@ -13,6 +13,7 @@ from hpctrain.config import Config
 from hpctrain.errors import UsageError
 from hpctrain.runtime.abort import set_context
 from hpctrain.runtime.flight import RECORDER
+from hpctrain.runtime.timeline import TIMELINE, merge as merge_timeline
 from hpctrain.runtime.watchdog import start_watchdog
 from hpctrain.data.sampler import GlobalBatchSampler, collate
 from hpctrain.models.registry import BuiltModel, build, build_layers
@@ -69,6 +70,8 @@ class Trainer:
         # Record communication from the first collective on; the watchdog ends a stalled job
         # (runtime/flight.py, runtime/watchdog.py).
         RECORDER.enabled = cfg.runtime.flight_recorder
+        if cfg.train.trace_dir:  # --trace: this rank's events, merged at the end of fit()
+            TIMELINE.enable(cfg.train.trace_dir, world.rank)
         self.watchdog = start_watchdog(cfg.runtime.collective_timeout_s, cfg.train.out_dir,
                                        world.mpi_comm)
         cfg.validate(world.size)
@@ -234,6 +237,8 @@ class Trainer:
                 self.save(t.steps, losses)
             set_context(phase=None)
         finally:
+            if TIMELINE.enabled:  # this rank's file, also when a rank fails (its last events)
+                TIMELINE.write()
             if self.watchdog is not None:
                 self.watchdog.stop()
             if preempt is not None:
@@ -241,6 +246,11 @@ class Trainer:
             progress.close()
             csv.close()
         elapsed = time.perf_counter() - start
+        if t.trace_dir:
+            world.host.barrier()  # every rank's file is written
+            if main:
+                print(f"hpctrain: timeline written: {merge_timeline(t.trace_dir, world.size)} "
+                      f"(chrome://tracing or ui.perfetto.dev)", flush=True)
         summary = self._summary(losses, t.steps - self.start_step, elapsed)
         if main:
             print(f"done: {t.steps} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "

@@ -21,6 +21,7 @@ from hpctrain.parallel.domain.convert import to_domain
 from hpctrain.parallel.domain.decomposition import grid_shape_for
 from hpctrain.parallel.domain.halo import DomainGrid
 from hpctrain.parallel.placement import Copies, place, placement_of
+from hpctrain.runtime.abort import set_context
 
 __all__ = ["DomainOptions", "DomainExecutor", "prepare"]
 
@@ -82,6 +83,7 @@ class DomainExecutor:
             gx, gy = self._shapes
             # Layer shapes depend only on the global input grid: cache the shape lookups.
             self.grid.begin(gx)
+            set_context(phase="forward")  # named in flight records, stall reports, timeline
             try:
                 with precision.autocast():
                     loss = loss_fn(model(x), y)
@@ -89,6 +91,7 @@ class DomainExecutor:
                 self.grid.end()
             nd = self.grid.ndim
             share = math.prod(y.shape[-nd:]) / math.prod(gy)  # mean over the tile -> over the grid
+            set_context(phase="backward")
             backward(precision.scale(loss * (share * weight)))
             local += float(loss.detach()) * share * weight
         return local

@@ -10,6 +10,7 @@ from hpctrain.models.recompute import checkpoint_without_stat_updates
 from hpctrain.parallel.pipeline import p2p_plan
 from hpctrain.parallel.pipeline.p2p import StageLinks
 from hpctrain.parallel.pipeline.schedule import Action
+from hpctrain.runtime.abort import set_context
 from hpctrain.runtime.timeline import TIMELINE
 
 __all__ = ["Engine"]
@@ -69,6 +70,7 @@ class Engine:
             if st.pre_sends or st.pre_recvs:
                 inbox.update(self.links.post([(m, outbox.pop(m)) for m in st.pre_sends],
                                              st.pre_recvs))
+            set_context(phase="forward" if a.op == "F" else "backward")  # flight, timeline
             if self.before_action is not None:
                 self.before_action(i, a)
             if a.op == "F":

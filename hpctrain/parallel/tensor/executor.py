@@ -8,6 +8,7 @@ import torch
 
 from hpctrain.parallel.tensor.checks import Split
 from hpctrain.parallel.tensor.loss import is_cross_entropy, vocab_parallel_cross_entropy
+from hpctrain.runtime.abort import set_context
 
 __all__ = ["TensorParallel"]
 
@@ -48,8 +49,10 @@ class TensorParallel:
     def forward_backward(self, dp_part, micro_batches, loss_fn, precision) -> float:
         local = 0.0
         for x, y, weight in micro_batches:
+            set_context(phase="forward")  # named in flight records, stall reports, timeline
             with precision.autocast():
                 loss = loss_fn(dp_part.model(x), y)
+            set_context(phase="backward")
             dp_part.backward(precision.scale(loss * weight))
             local += float(loss.detach()) * weight
         return local
