@@ -4,7 +4,10 @@ into one Chrome trace (the end-to-end run under mpirun: test_timeline_run)."""
 import json
 from types import SimpleNamespace
 
+import pytest
+
 from hpctrain.runtime.timeline import Timeline, merge
+from tests.mpirun import run_mpi
 
 
 def _rank(tmp_path, rank, t0):
@@ -52,3 +55,31 @@ def test_a_phase_marked_twice_stays_one_span(tmp_path):
     tl.phase("forward", 1.5)  # e.g. the trainer, then the strategy
     tl.phase(None, 2.0)
     assert [(e["name"], e["dur"]) for e in tl.events] == [("forward", 1e6)]
+
+
+@pytest.mark.mpi
+def test_a_pipeline_run_writes_one_merged_timeline(tmp_path):
+    """--trace under mpirun: one row per rank with the trainer's phases (checkpoint
+    included), every communication op with its bytes, and each pipeline action."""
+    trace = tmp_path / "trace"
+    proc = run_mpi(2, ["-m", "hpctrain", "train", "--strategy", "pipeline", "--steps", "2",
+                       "--progress", "off", "--out-dir", str(tmp_path / "out"),
+                       "--checkpoint-dir", str(tmp_path / "ck"), "--trace", str(trace)],
+                   timeout=180)
+    assert f"hpctrain: timeline written: {trace}/trace.json" in proc.stdout, proc.stdout
+    with open(trace / "trace.json") as fh:
+        events = json.load(fh)["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    for r in (0, 1):
+        mine = [e for e in spans if e["pid"] == r]
+        phases = {e["name"] for e in mine if e["cat"] == "phases"}
+        assert {"forward", "backward", "optimizer", "checkpoint"} <= phases, phases
+        actions = [e for e in mine if e["cat"] == "pipeline"]
+        # 4 micro-batches (pipeline.microbatches), a forward and a backward each, per step
+        assert sorted(e["name"][0] for e in actions) == ["B"] * 8 + ["F"] * 8
+        comm = [e for e in mine if e["cat"] == "comm"]
+        p2p = [e for e in comm if e["name"] in ("isend", "irecv")]
+        assert len(p2p) >= 16 and all(e["args"]["bytes"] > 0 for e in p2p)
+        assert all(e["args"]["group"].startswith("pp") for e in p2p)
+        assert any(e["name"] == "allreduce" for e in comm)
+        assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in mine)
