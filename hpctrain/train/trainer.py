@@ -264,6 +264,7 @@ class Trainer:
             "world_size": world.size,
             "steps": self.start_step + trained_steps,
             "trained_steps": trained_steps,
+            "nonfinite_skipped_steps": self.guard.skipped,  # train.nonfinite = skip
             "losses": losses,
             "final_loss": losses[-1] if losses else None,
             "param_norm": self.par.param_norm(),

@@ -132,6 +132,7 @@ def test_skip_drops_the_step_and_trains_on(results):
                          rf"skipped .*1 of at most 3 in a row", r["stdout"]), r["stdout"]
         assert r["stdout"].count("step skipped") == 1
         assert np.isfinite(r["summary"]["param_norm"])
+        assert r["summary"]["nonfinite_skipped_steps"] == 1
         assert _ckpts(tmp / cid) == list(range(1, 9))
 
 
