@@ -27,8 +27,9 @@ TRAIN_FLAGS = {
     "precision": ("train", "precision", str, "fp32, bf16 or fp16"),
     "grad_accum": ("train", "grad_accum", int, "micro-batches per optimizer step"),
     "max_grad_norm": ("train", "max_grad_norm", float, "clip to this global gradient norm"),
-    "nonfinite": ("train", "nonfinite", str, "a non-finite loss or gradient norm: stop (exit "
-                  "code 3), skip (at most train.nonfinite_max_skips steps in a row) or ignore"),
+    "nonfinite": ("train", "nonfinite", str, f"a non-finite loss or gradient norm: stop (exit "
+                  f"code {NONFINITE_EXIT_CODE}), skip (at most train.nonfinite_max_skips "
+                  f"steps in a row) or ignore"),
     "summary": ("train", "summary", str, "write a JSON summary here (rank 0)"),
     "out_dir": ("train", "out_dir", str, "directory for metrics.csv"),
     "progress": ("train", "progress", str, "progress bar: auto, on, off"),
@@ -56,9 +57,9 @@ BOOL_FLAGS = {
 }
 
 TRAIN_EPILOG = f"""exit codes: 0 trained; 1 an error after the ranks started (the message says
-which); 2 a bad config or launch, found before training; {NONFINITE_EXIT_CODE} a non-finite loss or gradient
-(train.nonfinite = stop, or skip past train.nonfinite_max_skips; no checkpoint written from
-that state); 75 pre-empted (checkpoint written, rerun to resume)."""
+which); 2 a bad config or launch, found before training; {NONFINITE_EXIT_CODE} a non-finite loss or
+gradient (train.nonfinite = stop, or skip past train.nonfinite_max_skips; no checkpoint
+written from that state); 75 pre-empted (checkpoint written, rerun to resume)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
