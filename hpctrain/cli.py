@@ -9,6 +9,7 @@ import sys
 from hpctrain import __version__
 from hpctrain.config import BUILTIN_MODELS, STRATEGIES, ConfigError, load_config, parse_assignment
 from hpctrain.errors import UsageError
+from hpctrain.train.nonfinite import NONFINITE_EXIT_CODE
 
 __all__ = ["main", "build_parser"]
 
@@ -26,6 +27,9 @@ TRAIN_FLAGS = {
     "precision": ("train", "precision", str, "fp32, bf16 or fp16"),
     "grad_accum": ("train", "grad_accum", int, "micro-batches per optimizer step"),
     "max_grad_norm": ("train", "max_grad_norm", float, "clip to this global gradient norm"),
+    "nonfinite": ("train", "nonfinite", str, f"a non-finite loss or gradient norm: stop (exit "
+                  f"code {NONFINITE_EXIT_CODE}), skip (at most train.nonfinite_max_skips "
+                  f"steps in a row) or ignore"),
     "summary": ("train", "summary", str, "write a JSON summary here (rank 0)"),
     "out_dir": ("train", "out_dir", str, "directory for metrics.csv"),
     "trace": ("train", "trace_dir", str, "write a Chrome/Perfetto timeline of every rank "
@@ -56,12 +60,18 @@ BOOL_FLAGS = {
     "fp16_compression": ("ddp", "fp16_compression", "fp16 gradient compression (ddp)"),
 }
 
+TRAIN_EPILOG = f"""exit codes: 0 trained; 1 an error after the ranks started (the message says
+which); 2 a bad config or launch, found before training; {NONFINITE_EXIT_CODE} a non-finite loss or
+gradient (train.nonfinite = stop, or skip past train.nonfinite_max_skips; no checkpoint
+written from that state); 75 pre-empted (checkpoint written, rerun to resume)."""
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hpctrain", description="Train PyTorch models on supercomputers.")
     p.add_argument("--version", action="version", version=f"hpctrain {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    t = sub.add_parser("train", help="train a model (default: gpt, single process)")
+    t = sub.add_parser("train", help="train a model (default: gpt, single process)",
+                       epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("--config", metavar="FILE.toml", help="TOML config; flags override it")
     for name, (_, _, tp, help_) in TRAIN_FLAGS.items():
         t.add_argument("--" + name.replace("_", "-"), dest=name, type=tp, help=help_)
@@ -331,6 +341,7 @@ def cmd_train(args) -> int:
     from hpctrain.checkpoint import CheckpointError
     from hpctrain.runtime.abort import fail_together
     from hpctrain.runtime.world import init_world
+    from hpctrain.train.nonfinite import NonFiniteError
     from hpctrain.train.preemption import PREEMPT_EXIT_CODE, Preempted
     from hpctrain.train.trainer import Trainer
 
@@ -343,6 +354,8 @@ def cmd_train(args) -> int:
         Trainer(cfg, world=world, built=built).fit()
     except Preempted:
         return PREEMPT_EXIT_CODE  # checkpoint written; rerun (or the requeued job) resumes
+    except NonFiniteError as exc:  # every rank at the same step; no checkpoint from it
+        return fail_together(str(exc), code=NONFINITE_EXIT_CODE)
     except (CheckpointError, UsageError) as exc:
         # A sentence, not a traceback. If some rank did not raise too, the job is aborted.
         return fail_together(str(exc))

@@ -12,6 +12,8 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from hpctrain.train.nonfinite import MODES as NONFINITE_MODES, NONFINITE_EXIT_CODE
+
 __all__ = [
     "ConfigError", "TrainSection", "DDPSection", "ZeroSection", "FSDPSection", "PipelineSection",
     "DomainSection", "RuntimeSection", "CheckpointSection", "Config",
@@ -77,6 +79,11 @@ class TrainSection:
     grad_accum: int = _f(1, "micro-batches per optimizer step", min=1)
     activation_checkpointing: bool = _f(False, "recompute block activations in backward")
     max_grad_norm: float = _f(0.0, "clip gradients to this global L2 norm (0: off)", min=0.0)
+    nonfinite: str = _f("stop", f"a non-finite loss or gradient norm: stop (exit code "
+                        f"{NONFINITE_EXIT_CODE}, no checkpoint from that state), skip (drop the "
+                        f"step) or ignore", choices=NONFINITE_MODES)
+    nonfinite_max_skips: int = _f(3, "nonfinite = skip: stop after this many skipped steps "
+                                  "in a row", min=0)
     summary: str = _f("", "write a JSON summary here (rank 0)")
     out_dir: str = _f("hpctrain-out", "directory for metrics.csv (rank 0)")
     trace_dir: str = _f("", "write a timeline (Chrome trace / Perfetto JSON, one row per rank: "

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from hpctrain.train.nonfinite import NONFINITE_EXIT_CODE
 from tests.mpirun import run_mpi, run_single
 
 
@@ -126,9 +127,10 @@ def test_nonfinite_loss_stops_without_touching_good_checkpoints(tmp_path):
     ck = tmp_path / "ck"
     proc = _train(tmp_path, "--lr", "1e6", "--steps", "40", "--checkpoint-dir", str(ck),
                   "--checkpoint-every", "1", "--keep", "2")
-    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.returncode == NONFINITE_EXIT_CODE, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
-    m = re.search(r"hpctrain: error: step (\d+): the (loss is \w+|parameters are not finite)",
+    m = re.search(r"hpctrain: error: step (\d+): (the loss is \w+|gradient of '[\w.]+' is not "
+                  r"finite)",
                   proc.stderr)
     assert m, proc.stderr
     bad = int(m.group(1))
@@ -144,7 +146,7 @@ def test_parameters_gone_nonfinite_are_never_saved(tmp_path):
     ck = tmp_path / "ck"
     proc = _train(tmp_path, "--model", "tests.fixtures.nonfinite:factory", "--steps", "5",
                   "--checkpoint-dir", str(ck), "--checkpoint-every", "1")
-    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.returncode == NONFINITE_EXIT_CODE, proc.stdout + proc.stderr
     assert "hpctrain: error: step 2: the parameters are not finite" in proc.stderr, proc.stderr
     assert "newest good one is " + str(ck / "ckpt-000001.h5") in proc.stderr
     assert sorted(n for n in os.listdir(ck) if n.startswith("ckpt-")) == ["ckpt-000001.h5"]

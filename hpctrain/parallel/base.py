@@ -152,16 +152,28 @@ class Parallelized:
             scaler.step(self.optimizer)
             scaler.update()
 
-    def step(self, scaler=None, max_grad_norm: float = 0.0) -> None:
+    def step(self, scaler=None, max_grad_norm: float = 0.0, guard=None) -> bool:
         """Finish the gradients, unscale/clip them, step the optimizer and zero the gradients
-        (collective)."""
+        (collective). ``guard`` (train/nonfinite.py) may skip the optimizer step or stop;
+        returns whether the optimizer stepped."""
         self._sync_grads()
         if scaler is not None:
             scaler.unscale_(self.optimizer)
-        if max_grad_norm > 0:
-            self._clip(max_grad_norm)
-        self._optimizer_step(scaler)
+        norm = self._clip(max_grad_norm) if max_grad_norm > 0 else None
+        stepped = guard is None or guard.check(self, scaler, norm)
+        if stepped:
+            self._optimizer_step(scaler)
+        elif scaler is not None:
+            scaler.update()  # the step is dropped; the scaler is ready for the next one
         self.optimizer.zero_grad()  # torch >= 2.0 sets grads to None (Horovod takes no args)
+        return stepped
+
+    def _nonfinite_grads(self) -> tuple[list, list]:
+        """(this rank's parameter names in model order, those whose gradient holds a NaN or
+        inf); local, the non-finite guard's failure path."""
+        named = list(self.model.named_parameters())
+        return [n for n, _ in named], [n for n, p in named if p.grad is not None
+                                       and not bool(torch.isfinite(p.grad).all())]
 
     # -- checkpoint hooks: describe tensors GLOBALLY; the checkpoint package does the I/O --
 

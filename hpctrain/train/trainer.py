@@ -19,16 +19,13 @@ from hpctrain.data.sampler import GlobalBatchSampler, collate
 from hpctrain.models.registry import BuiltModel, build, build_layers
 from hpctrain.parallel.orchestrator import parallelize
 from hpctrain.train.metrics import MetricsCSV, peak_rss_mb, write_summary
+from hpctrain.train.nonfinite import NonFiniteError, NonFiniteGuard
 from hpctrain.train.precision import Precision
 from hpctrain.train.preemption import Preemption, sigterm_grace_s
 from hpctrain.train.progress import Progress
 from hpctrain.train.strategy import make_optimizer_factory, plan_options
 
 __all__ = ["Trainer", "build_model", "NonFiniteError"]
-
-
-class NonFiniteError(UsageError):
-    """The loss or the parameters became NaN/inf; raised on every rank at the same step."""
 
 
 def build_model(cfg: Config, world_size: int | None = None) -> BuiltModel:
@@ -104,6 +101,9 @@ class Trainer:
         # (models/dropout.py). A resume restores the saved state instead.
         torch.manual_seed(t.seed)
         self._save_s: float | None = None  # wall time of this run's last save
+        self.guard = NonFiniteGuard(t.nonfinite, t.nonfinite_max_skips, world.mpi_comm,
+                                    world.is_main, self._latest_or_none,
+                                    getattr(self.par, "name_of", None))
         c = cfg.checkpoint
         checkpoint.clean_stale(c.dir, world.mpi_comm)  # what saves that died left behind
         resume = checkpoint.resolve_resume(c.resume, c.dir, world.mpi_comm)
@@ -117,9 +117,15 @@ class Trainer:
         """Write a checkpoint of the state after `step` steps (collective).
 
         A model whose parameters are no longer finite is never saved: with keep-last-K the
-        save would rotate out the good checkpoints.
+        save would rotate out the good checkpoints (train.nonfinite = ignore: the save is
+        left out and the newest good checkpoint's path returned).
         """
         norm = self.par.param_norm()
+        if not math.isfinite(norm) and self.cfg.train.nonfinite == "ignore":
+            if self.world.is_main:
+                print(f"hpctrain: step {step}: the parameters are not finite (norm {norm}); "
+                      f"no checkpoint written (train.nonfinite = ignore)", flush=True)
+            return self._latest_or_none()
         if not math.isfinite(norm):
             raise NonFiniteError(
                 f"step {step}: the parameters are not finite (norm {norm}); no checkpoint "
@@ -181,12 +187,15 @@ class Trainer:
                    y.to(self.world.device, non_blocking=True), weight)
 
     def _train_step(self, step: int) -> float:
-        """Run one optimizer step; return this rank's weighted share of the global mean loss."""
+        """Run one optimizer step; return the global mean loss (all-reduced before the
+        optimizer steps, for the non-finite guard: train/nonfinite.py)."""
         set_context(phase="forward")  # strategies mark "backward" where it begins
         local = self.par.forward_backward(self._micro_batches(step), self.built.loss_fn, self.precision)
+        loss = self.world.host.allreduce_scalars([local])[0]
+        self.guard.step, self.guard.loss = step + 1, loss
         set_context(phase="optimizer")
-        self.par.step(self.precision.scaler, self.cfg.train.max_grad_norm)
-        return local
+        self.par.step(self.precision.scaler, self.cfg.train.max_grad_norm, guard=self.guard)
+        return loss
 
     def fit(self) -> dict:
         """Train for cfg.train.steps steps; write metrics and the summary on rank 0."""
@@ -212,14 +221,8 @@ class Trainer:
             for step in range(self.start_step, t.steps):
                 set_context(step=step + 1)
                 t0 = time.perf_counter()
-                local = self._train_step(step)
-                loss = world.host.allreduce_scalars([local])[0]
+                loss = self._train_step(step)  # the guard stops or skips non-finite steps
                 dt = time.perf_counter() - t0
-                if not math.isfinite(loss):  # the all-reduced loss: every rank stops here
-                    raise NonFiniteError(
-                        f"step {step + 1}: the loss is {loss}; stopped without writing a "
-                        f"checkpoint (the newest good one is {self._latest_or_none()}). Lower "
-                        f"--lr or set --max-grad-norm")
                 losses.append(loss)
                 lr = self.par.optimizer.param_groups[0]["lr"]
                 progress.update(step, loss, units_per_step / dt)
@@ -284,6 +287,7 @@ class Trainer:
             "world_size": world.size,
             "steps": self.start_step + trained_steps,
             "trained_steps": trained_steps,
+            "nonfinite_skipped_steps": self.guard.skipped,  # train.nonfinite = skip
             "losses": losses,
             "final_loss": losses[-1] if losses else None,
             "param_norm": self.par.param_norm(),

@@ -441,22 +441,25 @@ class ShardedModel(Parallelized):
             u.free()
             u.gather()
 
-    def step(self, scaler=None, max_grad_norm: float = 0.0) -> None:
+    def step(self, scaler=None, max_grad_norm: float = 0.0, guard=None) -> bool:
         """Reduce-scatter gradients, unscale/clip over shards, step the shards, re-gather
-        (collective)."""
+        (collective). ``guard``: as Parallelized.step; returns whether the shards stepped."""
         self._sync_grads()
         untouched, idle_shards = self._untouched()
         if scaler is not None:
             scaler.unscale_(self.optimizer)
             self._agree_on_inf(scaler)
-        if max_grad_norm > 0:
-            self._clip(max_grad_norm)
+        norm = self._clip(max_grad_norm) if max_grad_norm > 0 else None
+        stepped = guard is None or guard.check(self, scaler, norm)
         # A unit no rank used this step is skipped by the optimizer, as one process skips a
         # parameter without .grad: no weight decay, no new state, Adam's step count kept.
         for shard in idle_shards:
             shard.grad = None
-        with preserve_elements(self.optimizer, untouched):
-            self._optimizer_step(scaler)
+        if stepped:
+            with preserve_elements(self.optimizer, untouched):
+                self._optimizer_step(scaler)
+        elif scaler is not None:
+            scaler.update()  # the step is dropped; the scaler is ready for the next one
         # Measured, not assumed: every gradient tensor alive at the step.
         self._grad_bytes = nbytes([u.shard.grad for u in self.units if u.shard.grad is not None]
                                   + [st.grad_buf for st in self._states if st.grad_buf is not None]
@@ -471,6 +474,21 @@ class ShardedModel(Parallelized):
             if not self.plan.on_demand:
                 self._refresh(st.unit)
         self._micro = 0
+        return stepped
+
+    def _nonfinite_grads(self) -> tuple[list, list]:
+        """As Parallelized's, from the gradient shards: a parameter is named when an element
+        of it that this rank owns is not finite."""
+        names, bad = [], []
+        for st in self._states:
+            g, u = st.unit.shard.grad, st.unit
+            finite = g is None or bool(torch.isfinite(g).all())
+            for s in u.slots:
+                names.append(s.name)
+                if not finite and any(not bool(torch.isfinite(g[a:b]).all())
+                                      for a, b in u.owned_ranges([s])):
+                    bad.append(s.name)
+        return names, bad
 
     # ---- checkpoints: sharded tensors as flat element ranges of the GLOBAL tensors -----
 
