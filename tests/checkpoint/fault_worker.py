@@ -124,6 +124,9 @@ def _disk_full(d: str, fault: str, serial: str) -> None:
         parts = ["ckpt-000001.h5.parts"] if serial == "1" else []
         check(listing(d) == ["ckpt-000001.h5"] + parts, listing(d))
         read_all(good)
+        # the previous checkpoint is intact and is what --resume auto picks
+        picked = resume.resolve_resume("auto", d, COMM)
+        check(picked is not None and os.path.samefile(picked, good), (picked, good))
 
 
 @case
