@@ -8,7 +8,6 @@ import torch
 
 from hpctrain.parallel.tensor.checks import Split
 from hpctrain.parallel.tensor.loss import is_cross_entropy, vocab_parallel_cross_entropy
-from hpctrain.runtime.abort import set_context
 
 __all__ = ["TensorParallel"]
 
@@ -47,15 +46,8 @@ class TensorParallel:
         return collate(dataset, indices)
 
     def forward_backward(self, dp_part, micro_batches, loss_fn, precision) -> float:
-        local = 0.0
-        for x, y, weight in micro_batches:
-            set_context(phase="forward")  # named in flight records, stall reports, timeline
-            with precision.autocast():
-                loss = loss_fn(dp_part.model(x), y)
-            set_context(phase="backward")
-            dp_part.backward(precision.scale(loss * weight))
-            local += float(loss.detach()) * weight
-        return local
+        """The flavour's own loop: every tp rank runs the whole micro-batch (collective)."""
+        return dp_part.forward_backward(micro_batches, loss_fn, precision)
 
     # -- whole tensors --
     def assemble(self, state: dict) -> dict:
