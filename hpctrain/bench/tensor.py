@@ -57,8 +57,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["BlockStack", "TorchBlock", "TorchStack", "CountingComm", "formula_bytes", "ring_bytes",
-           "torch_plan", "run", "SP_CHOICES"]
+__all__ = ["BlockStack", "TorchBlock", "TorchStack", "CountingComm", "MeshWithTP", "formula_bytes",
+           "ring_bytes", "torch_plan", "run", "SP_CHOICES"]
 
 SP_CHOICES = {"off": (False,), "on": (True,), "both": (False, True)}
 
@@ -197,8 +197,8 @@ class CountingComm:
     iallreduce = iallgather = ireduce_scatter = _refuse
 
 
-class _CountingMesh:
-    """The mesh with its tp communicator swapped for a CountingComm."""
+class MeshWithTP:
+    """The mesh with its tp communicator swapped for another (a CountingComm)."""
 
     def __init__(self, mesh, tp):
         self._mesh, self._tp = mesh, tp
@@ -288,7 +288,7 @@ class _Runner:
         self.single = whole  # rank 0 times it; every rank checks against it
         ours = BlockStack(layers, d_model, heads)
         ours.load_state_dict(state)
-        self.ours, _ = prepare(ours, world, _CountingMesh(mesh, self.tp), TensorOptions(sp))
+        self.ours, _ = prepare(ours, world, MeshWithTP(mesh, self.tp), TensorOptions(sp))
         self.partial = _partial_params(self.ours)
         self.opt_ours = torch.optim.SGD(self.ours.parameters(), lr=lr)
         self.opt_single = torch.optim.SGD(self.single.parameters(), lr=lr)

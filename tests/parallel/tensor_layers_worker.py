@@ -33,6 +33,7 @@ from torch import nn
 from hpctrain.models.gpt import GPT, GPTBlock, lm_loss, tp_plan
 from hpctrain.parallel.placement import placement_of
 from hpctrain.parallel.sharding.engine import nbytes
+from hpctrain.bench.tensor import MeshWithTP
 from hpctrain.parallel.tensor import TensorOptions, prepare
 from hpctrain.parallel.tensor.loss import vocab_parallel_cross_entropy
 from hpctrain.parallel.tensor.ops import (copy_to, gather_seq, reduce_from, reduce_scatter_seq,
@@ -67,20 +68,6 @@ def cols(t, r, n, dim=-1, parts=1):
 
 def rand(*shape, seed):
     return torch.randn(shape, dtype=DT, generator=torch.Generator().manual_seed(seed))
-
-
-class RecordingMesh:
-    """A mesh whose tp group is ``tp`` (a recording wrapper, for the block's collectives)."""
-
-    def __init__(self, mesh, tp):
-        self._mesh, self._tp = mesh, tp
-        self.coords = mesh.coords
-
-    def comm(self, dim):
-        return self._tp if dim == "tp" else self._mesh.comm(dim)
-
-    def size(self, dim):
-        return self._mesh.size(dim)
 
 
 # -- 1. adjoints ---------------------------------------------------------------------------
@@ -337,7 +324,7 @@ def block_collectives(mesh):
             torch.manual_seed(7)
             block = GPTBlock(H, heads, dropout=dropout).to(DT).train()
             rec = Recording(tp)
-            block, _ = prepare(block, world, RecordingMesh(mesh, rec), TensorOptions(sp, plan))
+            block, _ = prepare(block, world, MeshWithTP(mesh, rec), TensorOptions(sp, plan))
             assert not rec.log, rec.log  # splitting communicates nothing
             x = rand(B, S, H, seed=8)
             x = (cols(x, tp.rank, n, dim=-2) if sp else x).requires_grad_()
