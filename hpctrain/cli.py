@@ -103,9 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "(target ratio <= 1.01); run under the launcher")
     bf.add_argument("--strategy", default="zero3", help="strategy to time")
     bf.add_argument("--model", default="gpt", help="built-in model")
-    bf.add_argument("--steps", type=int, default=10, help="steps per block")
-    bf.add_argument("--blocks", type=int, default=8, help="on/off blocks, ABBA order (a multiple of 4)")
+    bf.add_argument("--steps", type=int, default=2, help="steps per block")
+    bf.add_argument("--blocks", type=int, default=64, help="on/off blocks, ABBA order (a multiple of 4)")
     bf.add_argument("--batch", type=int, default=16, help="global batch size")
+    bf.add_argument("--sizes", default="tiny,medium",
+                    help="gpt sizes to time (tiny: the defaults; medium: d_model 192, 4 layers)")
+    bf.add_argument("--control", action="store_true",
+                    help="A/A run: the recorder on in both modes (the ratio shows the noise)")
     bm = bsub.add_parser("memory", help="peak RSS per rank of each strategy vs the ZeRO formula "
                          "and torch FSDP2")
     bm.add_argument("--params-m", type=float, default=20.0, help="model size, millions of params")
@@ -384,7 +388,8 @@ def cmd_bench(args) -> int:
     if args.bench_command == "flight":
         from hpctrain.bench.flight import run as run_flight
 
-        return run_flight(args.strategy, args.model, args.steps, args.blocks, args.batch)
+        return run_flight(args.strategy, args.model, args.steps, args.blocks, args.batch,
+                          args.sizes, args.control)
     if args.bench_command == "memory":
         from hpctrain.bench.memory import run as run_memory
 

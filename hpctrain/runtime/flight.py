@@ -23,6 +23,7 @@ import os
 import struct
 import time
 from collections import deque
+from operator import itemgetter
 
 from hpctrain.runtime.abort import _context
 from hpctrain.runtime.timeline import TIMELINE
@@ -31,17 +32,24 @@ __all__ = ["RECORDER", "FlightRecorder", "Entry", "group_key", "members_of", "de
            "human_bytes"]
 
 
-class Entry:
-    """One operation; ``end`` is None while it is pending."""
+def _field(i: int, settable: bool = False):
+    get = itemgetter(i)
+    if not settable:
+        return property(get)
+    return property(get, lambda self, v: self.__setitem__(i, v))
 
-    __slots__ = ("seq", "op", "group", "nbytes", "dtype", "peer", "step", "phase", "start", "end")
 
-    def __init__(self, seq, op, group, nbytes, dtype, peer, step, phase, start):
-        self.seq, self.op, self.group, self.nbytes, self.dtype = seq, op, group, nbytes, dtype
-        self.peer, self.step, self.phase, self.start, self.end = peer, step, phase, start, None
+class Entry(list):
+    """One operation; ``end`` is None while it is pending. A list with named fields: made
+    per op on the hot path, and a list is a third of the cost of a slotted object."""
+
+    __slots__ = ()
+    FIELDS = ("seq", "op", "group", "nbytes", "dtype", "peer", "step", "phase", "start", "end")
+    seq, op, group, nbytes, dtype, peer, step, phase, start = (_field(i) for i in range(9))
+    end = _field(9, settable=True)
 
     def as_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__slots__}
+        return dict(zip(self.FIELDS, self))
 
 
 def group_key(comm) -> str:
@@ -81,14 +89,23 @@ def members_of(group: str, size: int) -> list[int]:
         return list(range(size))
 
 
+P2P_OPS = frozenset(("send", "recv", "isend", "irecv", "p2p_group", "isend_boxes",
+                     "irecv_boxes"))
+
+
 def _is_collective(op: str) -> bool:
-    return op not in ("send", "recv", "isend", "irecv", "p2p_group", "isend_boxes", "irecv_boxes")
+    return op not in P2P_OPS
 
 
 # The last op, mirrored into a small memory-mapped file when the watchdog gives one: a rank
 # that is stopped or dead cannot write a heartbeat, but what it last did is in the page cache.
-MIRROR_FMT = "<qqddq24s48s16s"  # count, seq, start, end (nan: pending), step (-1), op, group, phase
-MIRROR_SIZE = struct.calcsize(MIRROR_FMT)
+# A header of six 8-byte numbers (count, seq, start, end (nan: pending), step (-1: none), the
+# index of the op's names) and a table of names (op, group, phase), each written once: per op
+# only numbers are stored, through memoryviews (the cheapest write Python has).
+_HEADER = struct.Struct("=qqddqq")
+_NAMES = struct.Struct("=24s48s16s")
+NAME_SLOTS = 1024
+MIRROR_SIZE = _HEADER.size + NAME_SLOTS * _NAMES.size
 
 
 def read_mirror(path: str) -> dict | None:
@@ -96,13 +113,15 @@ def read_mirror(path: str) -> dict | None:
     try:
         with open(path, "rb") as f:
             raw = f.read(MIRROR_SIZE)
-        count, seq, start, end, step, op, group, phase = struct.unpack(MIRROR_FMT, raw)
+        count, seq, start, end, step, index = _HEADER.unpack_from(raw)
+        names = (_NAMES.unpack_from(raw, _HEADER.size + index * _NAMES.size)
+                 if 0 <= index < NAME_SLOTS else (b"?", b"?", b""))
     except (OSError, struct.error):
         return None
     if count == 0:
         return None
-    text = [b.rstrip(b"\0").decode(errors="replace") for b in (op, group, phase)]
-    return {"count": count, "seq": seq, "op": text[0], "group": text[1], "phase": text[2] or None,
+    op, group, phase = (b.rstrip(b"\0").decode(errors="replace") for b in names)
+    return {"count": count, "seq": seq, "op": op, "group": group, "phase": phase or None,
             "step": None if step < 0 else step, "start": start,
             "end": None if math.isnan(end) else end, "nbytes": 0, "peer": None}
 
@@ -113,7 +132,8 @@ class FlightRecorder:
     def __init__(self, capacity: int = 4096):
         self.mirror = None  # a writable mmap of MIRROR_SIZE bytes, set by the watchdog
         self._last = None
-        self._enc: dict = {}
+        self._names: dict = {}  # (op, group, phase) -> its index in the mirror's table
+        self._mq = self._mf = None  # the mirror's header as int64 and float64 views
         self.enabled = True
         self.ring: deque = deque(maxlen=capacity)
         self.pending: dict[int, Entry] = {}   # id(entry) -> entry, until it completes
@@ -121,33 +141,59 @@ class FlightRecorder:
         self.count = 0                        # operations started (changes = news for heartbeats)
 
     def start(self, key: str, op: str, nbytes: int = 0, dtype: str = "", peer=None) -> Entry:
-        """Record the start of ``op`` over group ``key``; return its entry for :meth:`end`."""
-        skey = key if _is_collective(op) else key + ":p2p"
-        seq = self.seqs.get(skey, 0) + 1
-        self.seqs[skey] = seq
-        e = Entry(seq, op, key, nbytes, dtype, peer, _context.get("step"),
-                  _context.get("phase"), time.time())
+        """Record the start of ``op`` over group ``key``; return its entry for :meth:`end`.
+
+        The hot path of every op: kept to a few dict operations and one clock read."""
+        skey = key if op not in P2P_OPS else key + ":p2p"
+        seqs = self.seqs
+        seq = seqs[skey] = seqs.get(skey, 0) + 1
+        ctx = _context
+        e = Entry((seq, op, key, nbytes, dtype, peer, ctx.get("step"), ctx.get("phase"),
+                   time.time(), None))
         self.ring.append(e)
         self.pending[id(e)] = e
         self.count += 1
-        if self.mirror is not None:
+        q = self._mq
+        if q is not None:  # the mirror: a handful of stores into the mmap
             self._last = e
-            enc = self._enc
-            ob = enc.get(op) or enc.setdefault(op, op.encode()[:24])
-            kb = enc.get(key) or enc.setdefault(key, key.encode()[:48])
-            ph = e.phase or ""
-            pb = enc.get(ph) or enc.setdefault(ph, ph.encode()[:16])
-            step = e.step if isinstance(e.step, int) else -1
-            struct.pack_into(MIRROR_FMT, self.mirror, 0, self.count, seq, e.start, math.nan,
-                             step, ob, kb, pb)
+            step, names = e[6], (op, key, e[7])
+            index = self._names.get(names)
+            if index is None:
+                index = self._add_names(names)
+            f = self._mf
+            q[0], q[1], f[2], f[3], q[5] = self.count, seq, e[8], math.nan, index
+            q[4] = step if step.__class__ is int else -1
         return e
+
+    def set_mirror(self, mirror) -> None:
+        """Mirror the last op into ``mirror`` (a writable mmap of MIRROR_SIZE bytes; None:
+        stop)."""
+        for view in (self._mq, self._mf):
+            if view is not None:
+                view.release()
+        self.mirror, self._names = mirror, {}
+        self._mq = self._mf = None
+        if mirror is not None:
+            header = memoryview(mirror)[:_HEADER.size]
+            self._mq, self._mf = header.cast("q"), header.cast("d")
+            header.release()
+
+    def _add_names(self, names) -> int:
+        """Write (op, group, phase) into the mirror's table once; its index (-1: table full)."""
+        index = len(self._names) if len(self._names) < NAME_SLOTS else -1
+        if index >= 0:
+            op, key, phase = names
+            _NAMES.pack_into(self.mirror, _HEADER.size + index * _NAMES.size,
+                             op.encode()[:24], key.encode()[:48], (phase or "").encode()[:16])
+        self._names[names] = index
+        return index
 
     def end(self, e: Entry) -> None:
         """Record the completion (or failure) of ``e``."""
-        e.end = time.time()
+        e[9] = t = time.time()
         self.pending.pop(id(e), None)
-        if e is self._last and self.mirror is not None:
-            struct.pack_into("<d", self.mirror, 24, e.end)
+        if e is self._last and self._mf is not None:
+            self._mf[3] = t
         if TIMELINE.enabled:  # --trace: every finished op is a span on the rank's comm row
             TIMELINE.op(e)
 

@@ -78,7 +78,7 @@ class Watchdog(threading.Thread):
         with open(path, "wb") as f:
             f.write(b"\0" * MIRROR_SIZE)
         self._mirror_file = open(path, "r+b")
-        self.rec.mirror = mmap.mmap(self._mirror_file.fileno(), MIRROR_SIZE)
+        self.rec.set_mirror(mmap.mmap(self._mirror_file.fileno(), MIRROR_SIZE))
 
     def run(self) -> None:
         try:
@@ -99,7 +99,7 @@ class Watchdog(threading.Thread):
         """End the thread (clean shutdown; local) and, on rank 0, remove the channel."""
         self.stopped = True
         self._stop_event.set()
-        self.rec.mirror = None
+        self.rec.set_mirror(None)
         if self._owner:
             shutil.rmtree(self.channel, ignore_errors=True)
 

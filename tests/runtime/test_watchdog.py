@@ -150,6 +150,39 @@ def test_recorder_counts_per_group_and_tracks_pending():
     assert len(rec.ring) == 3 and rec.seqs["dp[0,1]"] == 7 and rec.seqs["pp[0,1]:p2p"] == 1
 
 
+def test_mirror_file_holds_the_last_op(tmp_path):
+    """What a stopped rank last did, read from its mirror by another process."""
+    import mmap
+
+    from hpctrain.runtime.abort import _context, set_context
+    from hpctrain.runtime.flight import MIRROR_SIZE, NAME_SLOTS, read_mirror
+
+    path = tmp_path / "last-0.bin"
+    path.write_bytes(b"\0" * MIRROR_SIZE)
+    assert read_mirror(str(path)) is None  # nothing recorded yet
+    rec, saved = FlightRecorder(), dict(_context)
+    with open(path, "r+b") as f:
+        rec.set_mirror(mmap.mmap(f.fileno(), MIRROR_SIZE))
+        try:
+            set_context(step=7, phase="backward")
+            rec.end(rec.start("dp[0,1]", "allreduce", 8, "float32"))
+            e = rec.start("dp[0,1]", "reduce_scatter", 8, "float32")
+            got = read_mirror(str(path))
+            assert (got["op"], got["group"], got["seq"], got["step"], got["phase"],
+                    got["end"]) == ("reduce_scatter", "dp[0,1]", 2, 7, "backward", None)
+            rec.end(e)
+            assert read_mirror(str(path))["end"] == e.end
+            # more distinct (op, group, phase) than the table holds: the numbers stay right
+            for i in range(NAME_SLOTS + 2):
+                rec.end(rec.start(f"g{i}[0,1]", "barrier"))
+            got = read_mirror(str(path))
+            assert (got["op"], got["count"], got["seq"]) == ("?", rec.count, 1)
+        finally:
+            rec.set_mirror(None)
+            _context.clear()
+            _context.update(saved)
+
+
 def test_divergence_names_the_first_op_not_entered_by_all():
     def entry(seq, op, end=1.0):
         return {"seq": seq, "op": op, "group": "dp[0,1,2]", "nbytes": 8, "dtype": "float32",

@@ -546,6 +546,8 @@ class _RecordedRequest(Request):
     """A non-blocking op's request whose completion ends its flight entry; other attributes
     (``out``) are the wrapped request's."""
 
+    __slots__ = ("_req", "_entry", "_rec")
+
     def __init__(self, request, entry, recorder):
         self._req, self._entry, self._rec = request, entry, recorder
 
@@ -553,62 +555,89 @@ class _RecordedRequest(Request):
         try:
             return self._req.wait()
         finally:
-            self._end()
+            if self._entry is not None:
+                self._rec.end(self._entry)
+                self._entry = None
 
     def test(self) -> bool:
         done = self._req.test()
-        if done:
-            self._end()
-        return done
-
-    def _end(self):
-        if self._entry is not None:
+        if done and self._entry is not None:
             self._rec.end(self._entry)
             self._entry = None
+        return done
 
     def __getattr__(self, attr):
-        return getattr(self.__dict__["_req"], attr)
+        return getattr(self._req, attr)
 
 
 _DTYPE_NAMES = {d: str(d).replace("torch.", "") for d in SUPPORTED_DTYPES}
 
 
-def _first_tensor(args, kwargs):
+def _tensor_size(args, kwargs):
+    """(bytes, dtype name, None) of a collective's first tensor argument."""
     t = args[0] if args else kwargs.get("tensor")
-    return t if isinstance(t, torch.Tensor) else None
+    if not isinstance(t, torch.Tensor):
+        return 0, "", None
+    return t.numel() * t.element_size(), _DTYPE_NAMES.get(t.dtype, ""), None
+
+
+def _p2p_size(args, kwargs):
+    """send/recv/isend/irecv(tensor, peer, ...)."""
+    t = args[0] if args else kwargs.get("tensor")
+    peer = args[1] if len(args) > 1 else kwargs.get("dest", kwargs.get("source"))
+    if not isinstance(t, torch.Tensor):
+        return 0, "", peer
+    return t.numel() * t.element_size(), _DTYPE_NAMES.get(t.dtype, ""), peer
+
+
+def _boxes_size(args, kwargs):
+    """isend_boxes/irecv_boxes(tensor, boxes, peer, ...)."""
+    t = args[0] if args else kwargs.get("tensor")
+    peer = args[2] if len(args) > 2 else kwargs.get("dest", kwargs.get("source"))
+    if not isinstance(t, torch.Tensor):
+        return 0, "", peer
+    return t.numel() * t.element_size(), _DTYPE_NAMES.get(t.dtype, ""), peer
+
+
+def _group_size(args, kwargs):
+    """p2p_group(sends, recvs): every tensor, every peer."""
+    items = [*(args[0] if args else kwargs.get("sends", ())),
+             *(args[1] if len(args) > 1 else kwargs.get("recvs", ()))]
+    nbytes = sum(t.numel() * t.element_size() for t, _, _ in items)
+    dtype = str(items[0][0].dtype).replace("torch.", "") if items else ""
+    return nbytes, dtype, sorted({p for _, p, _ in items}) or None
+
+
+def _scalars_size(args, kwargs):
+    values = args[0] if args else kwargs.get("values", ())
+    return 8 * len(values), "float64", None
+
+
+_SIZERS = {"send": _p2p_size, "recv": _p2p_size, "isend": _p2p_size, "irecv": _p2p_size,
+           "isend_boxes": _boxes_size, "irecv_boxes": _boxes_size, "p2p_group": _group_size,
+           "allreduce_scalars": _scalars_size}
 
 
 def _op_size(name, args, kwargs):
     """(bytes, dtype name, peer) of a public op's arguments, cheaply."""
-    if name == "p2p_group":
-        items = [*(args[0] if args else kwargs.get("sends", ())),
-                 *(args[1] if len(args) > 1 else kwargs.get("recvs", ()))]
-        nbytes = sum(t.numel() * t.element_size() for t, _, _ in items)
-        dtype = str(items[0][0].dtype).replace("torch.", "") if items else ""
-        return nbytes, dtype, sorted({p for _, p, _ in items}) or None
-    if name == "allreduce_scalars":
-        values = args[0] if args else kwargs.get("values", ())
-        return 8 * len(values), "float64", None
-    t = _first_tensor(args, kwargs)
-    if t is None:
-        return 0, "", None
-    peer = None
-    if name in ("send", "recv", "isend", "irecv", "isend_boxes", "irecv_boxes"):
-        peer = args[2] if name.endswith("boxes") and len(args) > 2 else (
-            args[1] if len(args) > 1 and not name.endswith("boxes") else
-            kwargs.get("dest", kwargs.get("source")))
-    return t.numel() * t.element_size(), _DTYPE_NAMES.get(t.dtype, ""), peer
+    return _SIZERS.get(name, _tensor_size)(args, kwargs)
 
 
 def _recorded(name: str, fn, nonblocking: bool):
+    """``fn`` wrapped to record each call in the flight recorder. Every op goes through this,
+    so it is written for speed: one sizing function chosen here, the group key cached on the
+    communicator."""
     from hpctrain.runtime.flight import RECORDER, group_key
+
+    size_of = _SIZERS.get(name, _tensor_size)
 
     def method(self, *args, **kwargs):
         rec = RECORDER
         if not rec.enabled or self.size <= 1:
             return fn(self, *args, **kwargs)
-        nbytes, dtype, peer = _op_size(name, args, kwargs)
-        entry = rec.start(group_key(self), name, nbytes, dtype, peer)
+        key = self.__dict__.get("_flight_key") or group_key(self)
+        nbytes, dtype, peer = size_of(args, kwargs)
+        entry = rec.start(key, name, nbytes, dtype, peer)
         try:
             result = fn(self, *args, **kwargs)
         except BaseException:
