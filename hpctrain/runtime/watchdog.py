@@ -179,19 +179,27 @@ def _peers(e: dict, members: list[int]) -> list[int]:
 
 def _culprit_op(req: dict, beats: dict, responded: list[int], size: int):
     """(rank, entry) of the pending op that best explains the stall: a collective (then a
-    p2p op) whose group holds a rank that did not respond, the oldest first; else the op that
-    triggered the watchdog."""
-    best, best_key = (req["rank"], req["entry"]), None
+    p2p op) whose group holds a rank that did not respond, the oldest first. When every rank
+    responded (a collective skipped or issued out of order), the oldest pending op of all:
+    the first rank to get stuck waits where the others diverged (the request's op, which
+    timed out first by a poll's luck, can be a later one)."""
+    blamed, oldest = None, None
     for r in responded:
         for e in beats[r].get("pending") or []:
             members = _members(e["group"], size)
             collective = e.get("peer") is None
             involved = members if collective else _peers(e, members)
-            blames = any(m not in responded for m in involved)
-            key = (not blames, not collective, e["start"])
-            if blames and (best_key is None or key < best_key):
-                best, best_key = (r, e), key
-    return best
+            if any(m not in responded for m in involved):
+                key = (not collective, e["start"])
+                if blamed is None or key < blamed[0]:
+                    blamed = (key, (r, e))
+            elif oldest is None or e["start"] < oldest[0]:
+                oldest = (e["start"], (r, e))
+    if blamed is not None:
+        return blamed[1]
+    if oldest is not None and len(responded) == size:
+        return oldest[1]
+    return req["rank"], req["entry"]
 
 
 def _entered(last: dict | None, group: str, seq: int) -> bool:
@@ -249,6 +257,8 @@ def compose_report(channel: str, size: int, timeout_s: float, out_dir: str) -> s
         what = describe(last) if last else "nothing"
         lines.append(f"  rank {r} (pid {b['pid']} on {b['host']}) did not respond (stopped, "
                      f"dead or busy outside communication); last recorded: {what}")
+    if not silent:
+        lines += _crossed_waits(beats, mirrors, responded, size)
     for r in responded:
         pend = beats[r].get("pending") or []
         lines.append(f"  rank {r}: pending " + ("; ".join(describe(p) for p in pend) or "nothing")
@@ -256,6 +266,28 @@ def compose_report(channel: str, size: int, timeout_s: float, out_dir: str) -> s
     lines.append(f"  flight records: {out_dir}/flight-rank-R.json "
                  f"(python -m hpctrain trace flight {out_dir}); aborting the job")
     return "\n".join(lines)
+
+
+def _crossed_waits(beats: dict, mirrors: dict, responded: list[int], size: int) -> list[str]:
+    """Every rank is alive yet stuck: list each pending collective with the ranks of its group
+    that never entered it. Two or more such ops mean the ranks diverged (a data-dependent
+    collective skipped, or collectives issued in another order, on some rank)."""
+    ops = {}
+    for r in responded:
+        for e in beats[r].get("pending") or []:
+            if e.get("peer") is None:
+                ops.setdefault((e["group"], e["seq"]), e)
+    rows = []
+    for (group, seq), e in sorted(ops.items(), key=lambda kv: kv[1]["start"]):
+        members = _members(group, size)
+        never = [r for r in members if r in beats and beats[r]["seqs"].get(group, 0) < seq
+                 and not _entered(mirrors.get(r), group, seq)]
+        if never:
+            rows.append(f"    {e['op']} #{seq} over {group}: never entered by ranks {never}")
+    if len(rows) < 2:
+        return []
+    return ["  the ranks wait in different collectives (one was skipped, or issued in another "
+            "order, on some rank):", *rows]
 
 
 _ACTIVE: Watchdog | None = None

@@ -1,7 +1,8 @@
 """Fault suite of the stall watchdog (issue #19) under real mpirun, and the trace reader.
 
-Each fault runs for ddp, zero3, fsdp and pipeline at 2 ranks; the four jobs of one fault are
-launched together (they mostly wait out a timeout), so the file stays near a minute and a half.
+Each fault runs for ddp, zero3, fsdp and pipeline at 2 ranks, and for one 4-rank layout (a
+pp=2 x dp=2 pipeline under zero3, or fsdp/ddp/zero3 over 4 replicas); the jobs of one fault
+are launched together (they mostly wait out a timeout), so the file stays near two minutes.
 Time bounds are measured from the fault (the fixture writes its time), not from the launch,
 so the start-up of torch on a shared 2-core machine does not count against them.
 """
@@ -21,15 +22,19 @@ from tests.mpirun import ROOT, mpi_env
 
 STRATEGIES = ("ddp", "zero3", "fsdp", "pipeline")
 TIMEOUT_S = 4.0
+# 4-rank jobs: name -> (strategy, extra flags)
+AT4 = {"pp2xdp2-zero3@4": ("pipeline", ["--mesh", "pp=2,dp=2", "--dp-flavour", "zero3"]),
+       "fsdp@4": ("fsdp", []), "ddp@4": ("ddp", []), "zero3@4": ("zero3", [])}
 
 
-def _launch(tmp_path, strategy, kind, call=5, extra_env=None, timeout_s=TIMEOUT_S):
-    d = tmp_path / f"{strategy}-{kind}"
+def _launch(tmp_path, strategy, kind, call=5, extra_env=None, timeout_s=TIMEOUT_S, ranks=2,
+            rank=1, name=None, flags=()):
+    d = tmp_path / f"{name or strategy}-{kind}"
     d.mkdir()
-    env = mpi_env({"STALL_DIR": str(d), "STALL_KIND": kind, "STALL_RANK": "1",
+    env = mpi_env({"STALL_DIR": str(d), "STALL_KIND": kind, "STALL_RANK": str(rank),
                    "STALL_CALL": str(call), **(extra_env or {})})
-    cmd = ["mpirun", "-n", "2", "--oversubscribe", "--bind-to", "none", sys.executable,
-           "-m", "hpctrain", "train", "--strategy", strategy, "--steps", "40",
+    cmd = ["mpirun", "-n", str(ranks), "--oversubscribe", "--bind-to", "none", sys.executable,
+           "-m", "hpctrain", "train", "--strategy", strategy, *flags, "--steps", "40",
            "--model", "tests.fixtures.stall:factory", "--progress", "off",
            "--out-dir", str(d), "--collective-timeout-s", str(timeout_s)]
     out, err = open(d / "stdout", "w"), open(d / "stderr", "w")
@@ -79,11 +84,27 @@ def _fault_time(d):
     return float((d / "fault-time").read_text())
 
 
+def _launch4(tmp_path, name, kind, rank=3, **kw):
+    strategy, flags = AT4[name]
+    return _launch(tmp_path, strategy, kind, ranks=4, rank=rank, name=name, flags=flags, **kw)
+
+
 @pytest.mark.mpi
 def test_a_stopped_rank_is_named_and_the_job_ends(tmp_path):
     jobs = {s: _launch(tmp_path, s, "stop") for s in STRATEGIES}
+    jobs["pp2xdp2-zero3@4"] = _launch4(tmp_path, "pp2xdp2-zero3@4", "stop")
     ends = _end_times(jobs)
     done = _finish(jobs)
+    d, rc, _, err = done.pop("pp2xdp2-zero3@4")
+    # rank 3 (last stage, second replica) stops: its stage peer and its replica wait on it
+    assert rc != 0 and ends["pp2xdp2-zero3@4"] - _fault_time(d) < TIMEOUT_S + 30, err
+    assert err.count("hpctrain: STALL") == 1, err
+    assert ("ranks [3] never entered it" in err or "its peer ranks [3] never answered" in err), err
+    assert "rank 3 (pid" in err and "did not respond" in err and "last recorded: step " in err, err
+    assert sorted(p.name for p in d.glob("stall-rank-*.txt")) == [
+        "stall-rank-0.txt", "stall-rank-1.txt", "stall-rank-2.txt"], err
+    text, code = format_divergences(str(d))
+    assert code == 0 and "no record from ranks [3]" in text, text
     for s, (d, rc, _, err) in done.items():
         assert rc != 0, (s, err)
         took = ends[s] - _fault_time(d)
@@ -107,6 +128,7 @@ def test_a_stopped_rank_is_named_and_the_job_ends(tmp_path):
 @pytest.mark.mpi
 def test_a_killed_rank_ends_the_job(tmp_path):
     jobs = {s: _launch(tmp_path, s, "kill") for s in STRATEGIES}
+    jobs["fsdp@4"] = _launch4(tmp_path, "fsdp@4", "kill", rank=2)
     ends = _end_times(jobs)
     done = _finish(jobs)
     for s, (d, rc, _, err) in done.items():
@@ -117,6 +139,7 @@ def test_a_killed_rank_ends_the_job(tmp_path):
 @pytest.mark.mpi
 def test_an_exception_names_the_rank_and_a_slow_rank_is_left_alone(tmp_path):
     jobs = {s: _launch(tmp_path, s, "raise") for s in STRATEGIES}
+    jobs["ddp@4"] = _launch4(tmp_path, "ddp@4", "raise", rank=2)
     # Slower than the others by half the timeout, twice: must finish normally.
     jobs["slow"] = _launch(tmp_path, "zero3", "sleep", call=5, timeout_s=2 * TIMEOUT_S,
                            extra_env={"STALL_SLEEP_S": str(TIMEOUT_S)})
@@ -128,7 +151,33 @@ def test_an_exception_names_the_rank_and_a_slow_rank_is_left_alone(tmp_path):
     for s, (d, rc, _, err) in done.items():
         assert rc != 0, (s, err)
         assert ends[s] - _fault_time(d) < 30, (s, err)
-        assert "[hpctrain rank 1/2" in err and "injected failure" in err, (s, err)
+        rank = "2/4" if s.endswith("@4") else "1/2"
+        assert f"[hpctrain rank {rank}" in err and "injected failure" in err, (s, err)
+
+
+@pytest.mark.mpi
+def test_a_skipped_collective_is_named_by_its_sequence_number(tmp_path):
+    """One rank's data says 'no metric this time': it skips the user's all-reduce; the ranks
+    then wait in different ops and the report names the op and sequence number it skipped."""
+    jobs = {s: _launch(tmp_path, s, "skip") for s in ("ddp", "zero3", "fsdp")}
+    jobs["zero3@4"] = _launch4(tmp_path, "zero3@4", "skip", rank=2)
+    ends = _end_times(jobs)
+    done = _finish(jobs)
+    for s, (d, rc, _, err) in done.items():
+        skipper = 2 if s.endswith("@4") else 1
+        assert rc != 0 and ends[s] - _fault_time(d) < TIMEOUT_S + 30, (s, err)
+        assert err.count("hpctrain: STALL") == 1, (s, err)
+        # every rank is alive: some wait in the metric all-reduce the skipper never entered,
+        # the skipper went on to the strategy's next collective
+        assert "did not respond" not in err, (s, err)
+        assert "the ranks wait in different collectives" in err, (s, err)
+        (row,) = [ln for ln in err.splitlines() if ln.startswith("    ") and "over metric[" in ln]
+        assert row.strip().startswith("allreduce #") and row.endswith(f"ranks [{skipper}]"), \
+            (s, row)
+        assert f"rank {skipper}: pending step " in err, (s, err)
+        text, code = format_divergences(str(d))
+        seq = row.split("allreduce #")[1].split()[0]
+        assert code == 0 and f"#{seq}" in text and f"[{skipper}]" in text, (s, text)
 
 
 # ---- no MPI ---------------------------------------------------------------------------
