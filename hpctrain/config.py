@@ -78,6 +78,9 @@ class TrainSection:
                         choices=PRECISIONS)
     grad_accum: int = _f(1, "micro-batches per optimizer step", min=1)
     activation_checkpointing: bool = _f(False, "recompute block activations in backward")
+    deferred_init: bool = _f(True, "zero3, fsdp FULL_SHARD/HYBRID_SHARD and tensor parallel: build "
+                             "the model on the meta device and fill only what each rank keeps "
+                             "(built-in models; a user factory builds its model whole)")
     max_grad_norm: float = _f(0.0, "clip gradients to this global L2 norm (0: off)", min=0.0)
     nonfinite: str = _f("stop", f"a non-finite loss or gradient norm: stop (exit code "
                         f"{NONFINITE_EXIT_CODE}, no checkpoint from that state), skip (drop the "

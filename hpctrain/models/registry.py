@@ -11,7 +11,8 @@ from torch.utils.data import Dataset
 
 from . import gpt, mlp, unet
 
-__all__ = ["BuiltModel", "BUILTIN", "build", "build_layers", "describe", "detect_unit"]
+__all__ = ["BuiltModel", "BUILTIN", "build", "build_deferred", "build_layers", "describe",
+           "detect_unit"]
 
 _PIPELINES = {"gpt": gpt.pipeline, "mlp": mlp.pipeline}  # layer lists: no weights built
 _FACTORIES = {"gpt": gpt.factory, "mlp": mlp.factory, "unet": unet.factory}
@@ -159,3 +160,18 @@ def build_layers(spec, seed, **options):
         stack, dataset, loss_fn = from_sequential(built.model), built.dataset, built.loss_fn
     unit, per_sample = detect_unit(dataset)
     return BuiltModel(stack, dataset, loss_fn, spec, unit, per_sample)
+
+
+def build_deferred(spec, seed, **options):
+    """(BuiltModel whose model is on the meta device, its LayerStack) for a built-in model
+    described layer by layer (the stack builds any layer alone, with the values the whole
+    model has); None for a model that cannot be (a user factory builds its model whole).
+    Nothing is materialised here: parallel/deferred.py fills what each rank keeps."""
+    if not isinstance(spec, str) or spec not in _PIPELINES:
+        return None
+    layered = build_layers(spec, seed, **options)  # the stack (no weights), data and loss
+    with torch.device("meta"), torch.random.fork_rng(devices=[]):
+        model = _FACTORIES[spec](seed, **options)[0]  # its data (meta here) is dropped
+    built = BuiltModel(model, layered.dataset, layered.loss_fn, spec, layered.unit,
+                       layered.units_per_sample)
+    return built, layered.model

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hpctrain.parallel.deferred import filled, values
 from hpctrain.runtime.comm import Communicator
 
 __all__ = ["FlatUnit", "Slot"]
@@ -86,10 +87,12 @@ class FlatUnit:
         master = torch.zeros(self.padded, dtype=dtype, device=device)
         with torch.no_grad():
             for s in slots:
-                master[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+                # a deferred-init placeholder is filled here, with this unit's values only
+                master[s.offset:s.offset + s.numel].copy_(values(s.param).reshape(-1))
             self.full = master if cdtype == dtype else master.to(cdtype)
             for s in slots:
                 s.param.data = self.full[s.offset:s.offset + s.numel].view(s.shape)
+                filled(s.param)
         if keep_full:
             self.shard = nn.Parameter(self.full[self.lo:self.hi])
         else:

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import importlib
 
+from hpctrain.models.layers import LayerStack
 from hpctrain.parallel.base import DPGroups
+from hpctrain.parallel.deferred import Materializer, has_placeholders, materialize, placeholders
 from hpctrain.parallel.plan import FLAVOUR_TABLES, ParallelPlan
 
-__all__ = ["parallelize", "Composed", "FLAVOUR_MODULES"]
+__all__ = ["parallelize", "defer_init", "has_deferred", "Composed", "FLAVOUR_MODULES"]
 
 FLAVOUR_MODULES = {"ddp": "hpctrain.parallel.ddp", "zero1": "hpctrain.parallel.zero",
                    "zero2": "hpctrain.parallel.zero", "zero3": "hpctrain.parallel.zero",
@@ -189,9 +191,22 @@ def parallelize(plan: ParallelPlan, model, make_optimizer, world, options: dict 
                 f"summed over {sums} ranks" + (" (and over tp where sequence parallel made "
                                               "them partial)" if tensor is not None and
                                               tensor.sequence_parallel else ""))
+    materialize(model)  # deferred init: whatever no transform filled (none, normally)
     if executor is None:
         return par
     return Composed(par, executor, plan.name, tensor)
+
+
+def defer_init(model, stack) -> int:
+    """Deferred initialisation of ``model`` (built on the meta device from ``stack``, a
+    LayerStack): its tensors become placeholders that the transforms fill only where a rank
+    keeps them (parallel/deferred.py). Call before ``parallelize``. Returns how many."""
+    return placeholders(model, Materializer(stack))
+
+
+def has_deferred(model) -> bool:
+    """Whether ``model`` holds deferred-init placeholders (``defer_init``)."""
+    return not isinstance(model, LayerStack) and has_placeholders(model)
 
 
 def _flavour_text(plan: ParallelPlan) -> str:

@@ -16,8 +16,8 @@ from hpctrain.runtime.flight import RECORDER
 from hpctrain.runtime.timeline import TIMELINE, merge as merge_timeline
 from hpctrain.runtime.watchdog import start_watchdog
 from hpctrain.data.sampler import GlobalBatchSampler, collate
-from hpctrain.models.registry import BuiltModel, build, build_layers
-from hpctrain.parallel.orchestrator import parallelize
+from hpctrain.models.registry import BuiltModel, build, build_deferred, build_layers
+from hpctrain.parallel.orchestrator import defer_init, has_deferred, parallelize
 from hpctrain.train.metrics import MetricsCSV, peak_rss_mb, write_summary
 from hpctrain.train.nonfinite import NonFiniteError, NonFiniteGuard
 from hpctrain.train.precision import Precision
@@ -45,7 +45,23 @@ def build_model(cfg: Config, world_size: int | None = None) -> BuiltModel:
             v = pl.virtual_stages if pl.schedule == "interleaved-1f1b" else 1
             check_fits(len(built.model), plan.pp, v, pl.schedule)
         return built
+    if plan is not None and t.deferred_init and _keeps_a_part(plan, cfg):
+        deferred = build_deferred(t.model, t.seed, **t.model_options)
+        if deferred is not None:
+            built, stack = deferred
+            defer_init(built.model, stack)
+            return built
     return build(t.model, t.seed, **t.model_options)
+
+
+def _keeps_a_part(plan, cfg: Config) -> bool:
+    """Plans where no rank keeps the whole model: the build fills only each rank's part
+    (parallel/deferred.py). A pipeline builds only its stages' layers anyway; a domain
+    split keeps whole weights."""
+    if plan.pipeline or plan.domain:
+        return False
+    return plan.tensor or plan.flavour == "zero3" or (
+        plan.flavour == "fsdp" and cfg.fsdp.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD"))
 
 
 class Trainer:
@@ -90,6 +106,9 @@ class Trainer:
             po = options["pipeline"]
             po.sample, po.sample_target = x.to(world.device), y.to(world.device)
             po.loss_fn = self.built.loss_fn
+        if has_deferred(self.built.model) and world.is_main:
+            print("hpctrain: deferred init: the model was built on the meta device; each rank "
+                  "fills only the part it keeps, layer by layer", flush=True)
         self.par = parallelize(self.plan, self.built.model, make_optimizer_factory(t), world,
                                options, activation_checkpointing=t.activation_checkpointing)
         data_rank, data_ranks = self.par.data_shard(world)

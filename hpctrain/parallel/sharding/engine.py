@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from hpctrain.parallel.base import Parallelized
+from hpctrain.parallel.deferred import is_placeholder, materialize, to_device
 from hpctrain.parallel.flat_buffer import FlatUnit
 from hpctrain.parallel.placement import Copies, Placement, entry, global_norm, placement_of
 from hpctrain.parallel.sharded_optim import preserve_elements
@@ -156,6 +157,7 @@ class ShardedModel(Parallelized):
                 s.param.register_post_accumulate_grad_hook(partial(self._on_grad, i, j))
         if plan.on_demand:
             _guard_freed_params(model, units)
+        materialize(model)  # what deferred init left: frozen parameters, buffers
 
     # ---- backward ----------------------------------------------------------------------
 
@@ -716,7 +718,8 @@ def broadcast_state(model: nn.Module, comm) -> None:
     seen = set()
     with torch.no_grad():
         for t in model.state_dict(keep_vars=True).values():
-            if id(t) not in seen and t.numel():
+            # deferred-init placeholders: every rank fills them with the same values
+            if id(t) not in seen and t.numel() and not is_placeholder(t):
                 seen.add(id(t))
                 comm.broadcast(t.detach(), root=0)
 
@@ -730,7 +733,7 @@ def prepare_model(model: nn.Module, world, opts, groups, units=None):
     from hpctrain.parallel.units import partition_modules, rebind, wrapped_modules
 
     wrapped = [] if units is not None else wrapped_modules(model, opts)  # a bad policy fails here
-    model.to(world.device)
+    to_device(model, world.device)
     if opts.sync_batchnorm:  # batch statistics of the global batch, as in one process
         model = convert_sync_batchnorm(model, groups.batch)
     broadcast_state(model, groups.batch)

@@ -22,6 +22,7 @@ from hpctrain.models.layers import LayerStack, PipeLayer
 from hpctrain.parallel.placement import Copies, Placement, place, placement_of
 from hpctrain.parallel.tensor.checks import Split, TensorOptions, check
 from hpctrain.parallel.tensor.executor import TensorParallel
+from hpctrain.parallel.deferred import is_placeholder, sliced_placeholder, to_device
 from hpctrain.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear,
                                              SequenceSplitEmbedding, VocabParallelEmbedding,
                                              swap_class)
@@ -39,17 +40,21 @@ def _slice_param(module, pname: str, split: Split, tp, cache: dict) -> None:
     per = shape[d] // split.parts
     c = per // n
     viewed = shape[:d] + (split.parts, per) + shape[d + 1:]
-    local = p.detach().reshape(viewed).narrow(d + 1, r * c, c)
     local_shape = shape[:d] + (split.parts * c,) + shape[d + 1:]
-    new = nn.Parameter(local.reshape(local_shape).clone(), requires_grad=p.requires_grad)
     tp_group = (Copies("tp", tp, partial=False),)
     if split.parts == 1:
         offset = tuple(r * c if i == d else 0 for i in range(len(shape)))
-        place(new, Placement(shape, offset, sliced_over=tp_group))
+        placement = Placement(shape, offset, sliced_over=tp_group)
     else:
         count = shape[:d] + (split.parts, c) + shape[d + 1:]
         offset = tuple(r * c if i == d + 1 else 0 for i in range(len(viewed)))
-        place(new, Placement(shape, offset, sliced_over=tp_group, view=(viewed, count)))
+        placement = Placement(shape, offset, sliced_over=tp_group, view=(viewed, count))
+    if is_placeholder(p):  # deferred init: cut the placeholder; the values come when kept
+        new = sliced_placeholder(p, local_shape, placement)
+    else:
+        local = p.detach().reshape(viewed).narrow(d + 1, r * c, c)
+        new = nn.Parameter(local.reshape(local_shape).clone(), requires_grad=p.requires_grad)
+        place(new, placement)
     cache[id(p)] = new
     setattr(module, pname, new)
 
@@ -121,7 +126,7 @@ def prepare(model, world, mesh, options: TensorOptions | None = None):
     if isinstance(model, LayerStack):
         model = _stack(model, styles, tp, sp)
     else:
-        model.to(world.device)
+        to_device(model, world.device)
         _apply(model, styles, tp, sp, {})
     state = TensorParallel(tp, sp, splits, vocab, mesh.coords["dp"], mesh.size("dp"))
     return model, state
