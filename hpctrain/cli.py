@@ -192,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     bh.add_argument("--steps", type=int, default=5, help="timed U-Net steps (median)")
     bh.add_argument("--warmup", type=int, default=2, help="untimed U-Net steps first")
     _add_jobgen_parser(sub)
+    _add_report_parser(sub)
     return p
 
 
@@ -210,6 +211,38 @@ def _int_list(text: str) -> tuple:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers") from None
+
+
+# ---- report: redraw a run's report.png, or overlay several runs ----------------------------
+
+def _add_report_parser(sub) -> None:
+    r = sub.add_parser("report", help="draw a run's report.png again, or overlay several runs "
+                       "(loss, |loss - first run's|, throughput, peak memory per rank)")
+    r.add_argument("out_dirs", nargs="+", metavar="OUT_DIR",
+                   help="a run's --out-dir (metrics.csv, summary.json)")
+    r.add_argument("-o", "--output", metavar="PATH", help="the PNG to write (default: "
+                   "OUT_DIR/report.png for one run, report-overlay.png here for several)")
+    r.add_argument("--labels", metavar="A,B,...", help="legend names, one per run (default: "
+                   "each run's strategy from its summary.json)")
+
+
+def cmd_report(args) -> int:
+    """Draw the runs' picture; a bad directory or a missing matplotlib is one line, exit 2."""
+    from hpctrain.train.report import REPORT_NAME, ReportError, draw_report, load_runs
+
+    labels = [x.strip() for x in args.labels.split(",")] if args.labels else None
+    default = (os.path.join(args.out_dirs[0], REPORT_NAME) if len(args.out_dirs) == 1
+               else "report-overlay.png")
+    try:
+        path = draw_report(load_runs(args.out_dirs, labels), args.output or default)
+    except ReportError as exc:
+        print(f"hpctrain report: error: {exc}", file=sys.stderr)
+        return 2
+    except ImportError as exc:
+        print(f"hpctrain report: error: {exc}; pip install matplotlib", file=sys.stderr)
+        return 2
+    print(f"hpctrain: report {path}")
+    return 0
 
 
 def _add_jobgen_parser(sub) -> None:
@@ -476,4 +509,6 @@ def main(argv=None) -> int:
         return code
     if args.command == "jobgen":
         return cmd_jobgen(args)
+    if args.command == "report":
+        return cmd_report(args)
     raise RuntimeError(f"unhandled command {args.command}")  # argparse rejects unknown ones

@@ -88,7 +88,10 @@ class TrainSection:
     nonfinite_max_skips: int = _f(3, "nonfinite = skip: stop after this many skipped steps "
                                   "in a row", min=0)
     summary: str = _f("", "write a JSON summary here (rank 0)")
-    out_dir: str = _f("hpctrain-out", "directory for metrics.csv (rank 0)")
+    out_dir: str = _f("hpctrain-out", "directory for metrics.csv, summary.json and report.png "
+                      "(rank 0)")
+    report: bool = _f(True, "draw out_dir/report.png at the end: loss, throughput, peak "
+                      "memory per rank")
     trace_dir: str = _f("", "write a timeline (Chrome trace / Perfetto JSON, one row per rank: "
                         "phases, communication, pipeline actions) to DIR/trace.json")
     progress: str = _f("auto", "progress bar: auto (when a terminal), on, off", choices=PROGRESS)

@@ -8,7 +8,9 @@ import os
 import resource
 import sys
 
-__all__ = ["MetricsCSV", "peak_rss_mb", "write_summary"]
+__all__ = ["MetricsCSV", "SUMMARY_NAME", "gather_peak_rss_mb", "peak_rss_mb", "write_summary"]
+
+SUMMARY_NAME = "summary.json"  # the copy of the summary in out_dir, read by `hpctrain report`
 
 
 class MetricsCSV:
@@ -59,6 +61,17 @@ def peak_rss_mb() -> float:
     """Peak resident set size of this process in MiB."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024
+
+
+def gather_peak_rss_mb(comm) -> list[float]:
+    """Every rank's peak RSS in MiB, in rank order; collective over ``comm``'s ranks.
+
+    An all-gather as one sum of host scalars (each rank fills its own slot): exact, and this
+    module needs no torch, so ``hpctrain report`` starts without importing it.
+    """
+    slots = [0.0] * comm.size
+    slots[comm.rank] = peak_rss_mb()
+    return comm.allreduce_scalars(slots)
 
 
 def write_summary(path: str, summary: dict) -> None:

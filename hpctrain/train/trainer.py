@@ -18,11 +18,12 @@ from hpctrain.runtime.watchdog import start_watchdog
 from hpctrain.data.sampler import GlobalBatchSampler, collate
 from hpctrain.models.registry import BuiltModel, build, build_deferred, build_layers
 from hpctrain.parallel.orchestrator import defer_init, has_deferred, parallelize
-from hpctrain.train.metrics import MetricsCSV, peak_rss_mb, write_summary
+from hpctrain.train.metrics import SUMMARY_NAME, MetricsCSV, gather_peak_rss_mb, write_summary
 from hpctrain.train.nonfinite import NonFiniteError, NonFiniteGuard
 from hpctrain.train.precision import Precision
 from hpctrain.train.preemption import Preemption, sigterm_grace_s
 from hpctrain.train.progress import Progress
+from hpctrain.train.report import report_after_training
 from hpctrain.train.strategy import make_optimizer_factory, plan_options
 
 __all__ = ["Trainer", "build_model", "NonFiniteError"]
@@ -280,6 +281,10 @@ class Trainer:
                   f"peak RSS {summary['peak_rss_mb']:.0f} MiB/rank", flush=True)
             if t.summary:
                 write_summary(t.summary, summary)
+            if t.out_dir:  # next to metrics.csv: `hpctrain report` redraws from these files
+                write_summary(os.path.join(t.out_dir, SUMMARY_NAME), summary)
+                if t.report:
+                    report_after_training(t.out_dir)  # a failed picture is only a warning
         return summary
 
     def _nothing_to_train(self) -> dict:
@@ -301,6 +306,7 @@ class Trainer:
         """
         t, world = self.cfg.train, self.world
         units = t.global_batch_size * self.built.units_per_sample * trained_steps
+        peak_per_rank = gather_peak_rss_mb(world.host)
         return {
             "strategy": self.plan.name,
             "world_size": world.size,
@@ -313,7 +319,8 @@ class Trainer:
             "buffer_norm": self.par.buffer_norm(),
             "tokens_or_samples_per_s": units / elapsed if trained_steps and elapsed > 0 else None,
             "unit": self.built.unit,
-            "peak_rss_mb": world.host.allreduce_scalars([peak_rss_mb()], op="max")[0],
+            "peak_rss_mb": max(peak_per_rank),
+            "peak_rss_mb_per_rank": peak_per_rank,
             "model": self.built.name,
             "precision": t.precision,
             "global_batch_size": t.global_batch_size,

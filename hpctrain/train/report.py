@@ -1,0 +1,299 @@
+"""Report: one PNG of a run (loss, throughput, peak memory per rank), or several runs overlaid.
+
+It reads only the files a run leaves in its out_dir (metrics.csv and summary.json), so
+``hpctrain report DIR [DIR ...]`` redraws a finished run later, or lays the runs of several
+strategies over each other with the difference of each loss curve from the first: the picture
+that shows at a glance whether they train alike. matplotlib is imported only when drawing, so
+``import hpctrain`` stays fast and training works without it.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import statistics
+from dataclasses import dataclass
+
+from hpctrain.train.metrics import SUMMARY_NAME, MetricsCSV
+
+__all__ = ["REPORT_NAME", "ReportError", "Run", "load_run", "load_runs", "draw_report",
+           "title_of", "report_after_training"]
+
+REPORT_NAME = "report.png"
+EQUIVALENCE_RTOL = 1e-5   # DESIGN.md: a strategy reproduces single-process losses to this
+ZERO_DIFF_FLOOR = 1e-16   # where every |diff| is exactly 0: a log axis cannot show 0
+MAX_BAR_LABELS = 16       # value labels on the memory bars up to this many bars
+
+
+class ReportError(ValueError):
+    """A run cannot be drawn; the message names the directory and what is missing."""
+
+
+@dataclass
+class Run:
+    """One run as its out_dir records it: the per-step columns and the summary's facts."""
+
+    out_dir: str
+    label: str
+    steps: list[int]
+    losses: list[float]
+    units_per_s: list[float]
+    model: str
+    world_size: int | None
+    unit: str
+    peak_rss_mb_per_rank: list[float]
+
+    @property
+    def final_loss(self) -> float:
+        return self.losses[-1]
+
+    @property
+    def ranks_text(self) -> str:
+        if self.world_size is None:
+            return "? ranks"
+        return f"{self.world_size} rank{'s' if self.world_size != 1 else ''}"
+
+
+def load_run(out_dir: str, label: str | None = None) -> Run:
+    """Read a run's metrics.csv and summary.json (optional); raise ReportError if unusable.
+
+    Without a label the run is called by its strategy (plan name) from the summary, else
+    by its directory's name.
+    """
+    rows = _read_metrics(out_dir)
+    summary = _read_summary(out_dir)
+    try:
+        steps = [int(r["step"]) for r in rows]
+        losses = _losses(rows, steps, summary.get("losses"))
+        units_per_s = [float(r["units_per_s"]) for r in rows]
+    except (TypeError, ValueError) as exc:
+        raise ReportError(f"{os.path.join(out_dir, 'metrics.csv')}: a row that is not numbers "
+                          f"({exc}); was the file edited?") from None
+    return Run(
+        out_dir=out_dir,
+        label=label or summary.get("strategy") or os.path.basename(os.path.abspath(out_dir)),
+        steps=steps,
+        losses=losses,
+        units_per_s=units_per_s,
+        model=summary.get("model") or "?",
+        world_size=summary.get("world_size"),
+        unit=summary.get("unit") or "units",
+        peak_rss_mb_per_rank=list(summary.get("peak_rss_mb_per_rank") or []),
+    )
+
+
+def load_runs(out_dirs: list[str], labels: list[str] | None = None) -> list[Run]:
+    """load_run for each directory; ``labels`` (one per directory) replace the strategies."""
+    if labels is not None and len(labels) != len(out_dirs):
+        raise ReportError(f"--labels gives {len(labels)} name(s) for {len(out_dirs)} run "
+                          f"director{'y' if len(out_dirs) == 1 else 'ies'}; give one per run")
+    return [load_run(d, labels[i] if labels else None) for i, d in enumerate(out_dirs)]
+
+
+def _read_metrics(out_dir: str) -> list[dict]:
+    path = os.path.join(out_dir, "metrics.csv")
+    if not os.path.isfile(path):
+        why = "no such directory" if not os.path.isdir(out_dir) else "no metrics.csv in it"
+        raise ReportError(f"{out_dir}: {why}; give the --out-dir of a run (it writes "
+                          f"metrics.csv there unless --out-dir \"\")")
+    with open(path, newline="") as fh:
+        reader = csv.DictReader(fh)
+        if tuple(reader.fieldnames or ()) != MetricsCSV.FIELDS:
+            raise ReportError(f"{path}: columns {reader.fieldnames}, expected "
+                              f"{','.join(MetricsCSV.FIELDS)}; not a metrics file of hpctrain")
+        rows = list(reader)
+    if not rows:
+        raise ReportError(f"{path}: no steps recorded yet; nothing to draw")
+    return rows
+
+
+def _losses(rows: list[dict], steps: list[int], full: list | None) -> list[float]:
+    """The loss of each step: the summary's full-precision value where it has one (its
+    losses[i] is step i + 1), else the CSV's 8 digits, which would hide differences
+    below ~1e-7 in the overlay."""
+    full = full or []
+    return [float(full[s - 1]) if 0 < s <= len(full) and full[s - 1] is not None
+            else float(r["loss"]) for s, r in zip(steps, rows)]
+
+
+def _read_summary(out_dir: str) -> dict:
+    """The run's summary.json, or {} when it has none (a run stopped before the end)."""
+    path = os.path.join(out_dir, SUMMARY_NAME)
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except FileNotFoundError:
+        return {}
+    except json.JSONDecodeError as exc:
+        raise ReportError(f"{path}: not valid JSON ({exc}); delete it to draw without it")
+
+
+def steps_shared_with_first(runs: list[Run]) -> list[list[int]]:
+    """For each run after the first, the steps both it and the first recorded; ReportError
+    when a run shares none (nothing to compare)."""
+    first = set(runs[0].steps)
+    shared = []
+    for run in runs[1:]:
+        both = sorted(first.intersection(run.steps))
+        if not both:
+            raise ReportError(
+                f"{run.out_dir} (steps {_span(run.steps)}) shares no step with "
+                f"{runs[0].out_dir} (steps {_span(runs[0].steps)}); overlay runs of the same steps")
+        shared.append(both)
+    return shared
+
+
+def _span(steps: list[int]) -> str:
+    return f"{min(steps)}-{max(steps)}"
+
+
+def title_of(runs: list[Run]) -> str:
+    """One line: what ran (plan name, model, ranks) and where the loss ended."""
+    if len(runs) == 1:
+        r = runs[0]
+        return f"{r.label} · {r.model} · {r.ranks_text} · final loss {r.final_loss:.6g}"
+    models = " / ".join(dict.fromkeys(r.model for r in runs))
+    who = " vs ".join(f"{r.label} ({r.ranks_text})" for r in runs)
+    spread = max(abs(r.final_loss - runs[0].final_loss) for r in runs[1:])
+    return f"{models}: {who} · max |Δ final loss| {spread:.2g}"
+
+
+def draw_report(runs: list[Run], path: str) -> str:
+    """Draw one run (loss, throughput, memory) or an overlay (plus |loss - first run's|)
+    to the PNG ``path``; return the path. Raises ReportError or ImportError (no matplotlib)."""
+    shared = steps_shared_with_first(runs)  # checked before anything is drawn
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    # The object API with its own Agg canvas: no pyplot, so no global backend switch in the
+    # user's process and nothing kept alive after saving.
+    if len(runs) == 1:
+        fig = Figure(figsize=(15, 4.4), layout="constrained")
+        ax_loss, ax_speed, ax_mem = fig.subplots(1, 3)
+    else:
+        fig = Figure(figsize=(13, 8.5), layout="constrained")
+        (ax_loss, ax_diff), (ax_speed, ax_mem) = fig.subplots(2, 2)
+        _plot_loss_difference(ax_diff, runs, shared)
+    _plot_loss(ax_loss, runs)
+    _plot_throughput(ax_speed, runs)
+    _plot_peak_memory(ax_mem, runs)
+    for ax in fig.axes:
+        if ax is not ax_mem:
+            ax.xaxis.get_major_locator().set_params(integer=True)  # steps are whole numbers
+    fig.suptitle(title_of(runs), fontsize=12)
+    FigureCanvasAgg(fig)
+    _save_png(fig, path)
+    return path
+
+
+def _plot_loss(ax, runs: list[Run]) -> None:
+    for i, r in enumerate(runs):
+        # Later runs dashed and thinner, so equal curves still show every run.
+        ax.plot(r.steps, r.losses, lw=2.2 - 0.5 * min(i, 2), ls="-" if i == 0 else "--",
+                marker="o" if len(r.steps) <= 30 else None, ms=3,
+                label=f"{r.label} · final {r.final_loss:.6g}")
+    ax.set(title="loss per step", xlabel="step", ylabel="loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _plot_loss_difference(ax, runs: list[Run], shared: list[list[int]]) -> None:
+    """|loss - first run's loss| on a log axis, with the equivalence tolerance for scale.
+
+    Exact zeros cannot sit on a log axis: they are triangles on a floor below every other
+    value, and the line breaks there.
+    """
+    ref = dict(zip(runs[0].steps, runs[0].losses))
+    ax.plot(runs[0].steps, [EQUIVALENCE_RTOL * abs(v) for v in runs[0].losses], color="0.5",
+            ls=":", label=f"rtol {EQUIVALENCE_RTOL:g} × |loss|")
+    diffs = [[abs(by_step[s] - ref[s]) for s in steps]
+             for by_step, steps in zip((dict(zip(r.steps, r.losses)) for r in runs[1:]), shared)]
+    floor = _log_floor([d for ds in diffs for d in ds] + [EQUIVALENCE_RTOL * abs(v) for v in ref.values()])
+    for i, (r, steps, ds) in enumerate(zip(runs[1:], shared, diffs), start=1):
+        marker = "o" if len(steps) <= 30 else None
+        ax.plot(steps, [d if d > 0 else math.nan for d in ds], color=f"C{i}", marker=marker,
+                ms=3, label=f"{r.label} (max {max(ds):.2g}; equal at {ds.count(0.0)}/{len(ds)} steps)")
+        zeros = [s for s, d in zip(steps, ds) if d == 0]
+        ax.plot(zeros, [floor] * len(zeros), ls="none", marker="v", color=f"C{i}", ms=6)
+    ax.set_yscale("log")
+    ax.set(title=f"|loss - {runs[0].label} loss|  (▼: equal, drawn at {floor:.0e})",
+           xlabel="step", ylabel="absolute difference")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+
+
+def _log_floor(values: list[float]) -> float:
+    """A power of ten below the smallest positive finite value (1e-16 if there is none)."""
+    positive = [v for v in values if v > 0 and math.isfinite(v)]
+    if not positive:
+        return ZERO_DIFF_FLOOR
+    return 10.0 ** (math.floor(math.log10(min(positive))) - 1)
+
+
+def _plot_throughput(ax, runs: list[Run]) -> None:
+    for i, r in enumerate(runs):
+        finite = [v for v in r.units_per_s if math.isfinite(v)]
+        # The median, not the mean: the first steps (warm-up) do not pull it down.
+        median = statistics.median(finite) if finite else math.nan
+        ax.plot(r.steps, r.units_per_s, color=f"C{i}", lw=1.2,
+                label=f"{r.label} (median {median:,.0f})")
+        ax.axhline(median, color=f"C{i}", ls=":", lw=1)
+    units = " / ".join(dict.fromkeys(r.unit for r in runs))
+    ax.set(title=f"throughput ({units}/s; dotted: median)", xlabel="step", ylabel=f"{units}/s")
+    ax.set_ylim(bottom=0)
+    ax.yaxis.set_major_formatter("{x:,.0f}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _plot_peak_memory(ax, runs: list[Run]) -> None:
+    """A bar per rank (grouped by rank when overlaid)."""
+    drawn = [r for r in runs if r.peak_rss_mb_per_rank]
+    ax.set(title="peak memory per rank (RSS)", xlabel="rank", ylabel="MiB")
+    if not drawn:
+        ax.text(0.5, 0.5, f"no peak_rss_mb_per_rank in {SUMMARY_NAME}", ha="center",
+                va="center", transform=ax.transAxes, color="0.4")
+        return
+    width = 0.8 / len(drawn)
+    most = max(len(r.peak_rss_mb_per_rank) for r in drawn)
+    for i, r in enumerate(drawn):
+        ranks = range(len(r.peak_rss_mb_per_rank))
+        bars = ax.bar([k + (i - (len(drawn) - 1) / 2) * width for k in ranks],
+                      r.peak_rss_mb_per_rank, width, color=f"C{runs.index(r)}", label=r.label)
+        if most * len(drawn) <= MAX_BAR_LABELS:
+            ax.bar_label(bars, fmt="%.0f", fontsize=7)
+    ax.set_xticks(range(most))
+    pad = max(0.6, (4 - most) / 2)  # a few ranks: narrow bars, not the whole axes
+    ax.set_xlim(-pad, most - 1 + pad)
+    ax.grid(alpha=0.3, axis="y")
+    if len(drawn) > 1:
+        ax.legend(fontsize=8)
+
+
+def _save_png(fig, path: str) -> None:
+    """Write through a temporary name, so a reader never sees half a picture."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    fig.savefig(tmp, format="png", dpi=100)
+    os.replace(tmp, path)
+
+
+def report_after_training(out_dir: str) -> str | None:
+    """Draw ``out_dir/report.png`` for the run just trained and print its path (rank 0).
+
+    Never raises: a missing matplotlib or a failed drawing is one warning line, because the
+    picture must not fail a run whose training succeeded.
+    """
+    path = os.path.join(out_dir, REPORT_NAME)
+    try:
+        draw_report([load_run(out_dir)], path)
+    except ImportError as exc:
+        print(f"hpctrain: warning: no report ({exc}; pip install matplotlib)", flush=True)
+        return None
+    except Exception as exc:  # noqa: BLE001 - any drawing failure is a warning here
+        print(f"hpctrain: warning: no report ({type(exc).__name__}: {exc})", flush=True)
+        return None
+    print(f"hpctrain: report {path}", flush=True)
+    return path
