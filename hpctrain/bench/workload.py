@@ -40,6 +40,34 @@ class Stack(nn.Module):
         return x
 
 
+def stack_layers(width: int, layers: int, seed: int = 0):
+    """``Stack`` as a LayerStack: each Linear built alone under its own seed, so a sharded
+    entry can build it with deferred init (parallel/deferred.py)."""
+    from hpctrain.models.layers import LayerStack, PipeLayer, seeded
+
+    def layer(i):
+        return PipeLayer(f"blocks.{i}",
+                         lambda: seeded(seed, i, lambda: {f"blocks.{i}": nn.Linear(width, width)}),
+                         lambda root, x: torch.relu(root.blocks[i](x)))
+    return LayerStack([layer(i) for i in range(layers)])
+
+
+def build_stack(width: int, layers: int, deferred: bool = False) -> "Stack":
+    """The Stack with its layers' seeded weights; ``deferred``: on the meta device, with
+    placeholders each rank fills only where it keeps a part (the build peak of zero3/fsdp)."""
+    stack = stack_layers(width, layers)
+    with torch.device("meta"):
+        model = Stack(width, layers)
+    if deferred:
+        from hpctrain.parallel.orchestrator import defer_init
+
+        defer_init(model, stack)
+        return model
+    whole = stack.build(range(layers))  # real, layer by layer: the same values
+    model.blocks = nn.ModuleList(whole.blocks[str(i)] for i in range(layers))
+    return model
+
+
 def layers_for(params_m: float, width: int) -> int:
     """Layers of the given width that hold about params_m million parameters."""
     return max(1, round(params_m * 1e6 / (width * width + width)))
@@ -305,16 +333,20 @@ def measure(strategy: str, params_m: float = 20.0, width: int = 1024, batch: int
     base_kb = _status_kb("VmRSS")
     _reset_peak()
 
-    torch.manual_seed(0)
-    model = Stack(width, layers_for(params_m, width))
+    # zero3 and fsdp FULL_SHARD build with deferred init, as train does: no rank holds the
+    # whole model at any time
+    model = build_stack(width, layers_for(params_m, width), deferred=entry.memory == "sharded"
+                        and entry.role == "dp")
     psi = sum(p.numel() for p in model.parameters())
     unit_bytes = max(sum(p.numel() for p in b.parameters()) for b in model.blocks) * 4
     layers = len(model.blocks)
     par = entry.build(model, lambda ps: torch.optim.AdamW(ps, lr=1e-4), world)
     del model  # the wrapper holds what it keeps (ZeRO/FSDP2 free the full tensors)
-    # Building the full model before sharding it is a peak of its own (meta-device init
-    # avoids it); the formula describes training, so the training peak is read separately.
+    # The build peak (deferred init for zero3/fsdp: the rank's shard + a layer at a time) is
+    # read apart from training's: the formula describes training.
     build_kb = _status_kb("VmHWM")
+    # what the rank holds once built (its shards; torch's AdamW allocates its state now)
+    built_report = par.memory_report() if callable(getattr(par, "memory_report", None)) else None
     _reset_peak()
     g = torch.Generator().manual_seed(1 + world.rank)
     x = torch.randn(batch, width, generator=g)
@@ -334,6 +366,7 @@ def measure(strategy: str, params_m: float = 20.0, width: int = 1024, batch: int
             "unit_bytes": unit_bytes, "layers": layers, "width": width,
             "rss_above": world.mpi_comm.allgather(above),
             "build_above": world.mpi_comm.allgather(build), "memory_report": report,
+            "built_report": world.mpi_comm.allgather(built_report),
             "mmap_threshold_kb": applied_kb, "step_s": times, "median_s": statistics.median(times) if times else 0.0}
 
 

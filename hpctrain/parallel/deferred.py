@@ -126,9 +126,10 @@ def sliced_placeholder(source: torch.Tensor, shape, placement) -> nn.Parameter:
                         placement)
 
 
-def values(t: torch.Tensor, device=None) -> torch.Tensor:
+def values(t: torch.Tensor, device=None, copy: bool = True) -> torch.Tensor:
     """The real values of ``t``: itself when it is real; for a placeholder, the box of the
-    whole tensor its placement names (all of it when whole), as a new tensor."""
+    whole tensor its placement names (all of it when whole), as a new tensor (``copy=False``:
+    possibly a view of the Materializer's cached layer, to be copied by the caller)."""
     if not is_placeholder(t):
         return t.detach()
     materializer, name = getattr(t, _ATTR)
@@ -140,7 +141,7 @@ def values(t: torch.Tensor, device=None) -> torch.Tensor:
         for d, (o, c) in enumerate(zip(offset, count)):
             v = v.narrow(d, o, c)
         whole = v.reshape(tuple(t.shape))
-    return whole.to(device if device is not None else t.device, copy=True)
+    return whole.to(device if device is not None else t.device, copy=copy)
 
 
 def filled(t: torch.Tensor) -> None:

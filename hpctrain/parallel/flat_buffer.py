@@ -84,23 +84,33 @@ class FlatUnit:
         self.shard_numel = self.padded // n
         self.lo = comm.rank * self.shard_numel
         self.hi = self.lo + self.shard_numel
-        master = torch.zeros(self.padded, dtype=dtype, device=device)
         with torch.no_grad():
-            for s in slots:
-                # a deferred-init placeholder is filled here, with this unit's values only
-                master[s.offset:s.offset + s.numel].copy_(values(s.param).reshape(-1))
-            self.full = master if cdtype == dtype else master.to(cdtype)
+            if keep_full:
+                self.full = torch.zeros(self.padded, dtype=dtype, device=device)
+                for s in slots:
+                    self.full[s.offset:s.offset + s.numel].copy_(
+                        values(s.param, copy=False).reshape(-1))
+                self.shard = nn.Parameter(self.full[self.lo:self.hi])
+            else:
+                # Only this rank's part of each parameter is read: under deferred init
+                # (parallel/deferred.py) no rank ever fills a whole unit at build.
+                shard = torch.zeros(self.shard_numel, dtype=dtype, device=sdevice)
+                for s in slots:
+                    lo, hi = s.owned(self.lo, self.hi)
+                    if hi > lo:
+                        at = s.offset + lo - self.lo
+                        shard[at:at + hi - lo].copy_(values(s.param, copy=False).reshape(-1)[lo:hi])
+                self.shard = nn.Parameter(shard)
+                self.full = torch.empty(self.padded, dtype=cdtype, device=device)  # untouched
             for s in slots:
                 s.param.data = self.full[s.offset:s.offset + s.numel].view(s.shape)
                 filled(s.param)
-        if keep_full:
-            self.shard = nn.Parameter(self.full[self.lo:self.hi])
-        else:
-            self.shard = nn.Parameter(master[self.lo:self.hi].to(sdevice, copy=True))
-        del master
         self.gathered = True
         self._pending = None  # a started gather: (request, staging tensor or None)
         self._nbytes = self.full.untyped_storage().nbytes()
+        # Without keep_full a unit starts freed (the shard holds its values), so building unit
+        # after unit never holds the whole model: its first gather fills it.
+        self.free()
 
     # ---- the full buffer ---------------------------------------------------------------
 

@@ -140,6 +140,9 @@ def wrap(model: nn.Module, make_optimizer: OptimizerFactory, world,
     elif sharded:
         for u in units:  # the executor gathers each unit when its layers run
             u.free()
+    elif not keep_full:  # unsharded with a cast or an offload: gathered once, for good
+        for u in units:
+            u.gather()
     buffer_dtype = DTYPES[opts.buffer_dtype]
     if buffer_dtype is not None:
         for b in model.buffers():
