@@ -159,6 +159,7 @@ def to_json(estimates: list, req, shape, best) -> str:
                 "gathered": e.gathered, "activations": e.activations,
                 "activations_checkpointed": e.activations_ac, "total": e.total,
                 "total_checkpointed": e.total_ac, "comm_per_step": e.comm,
+                "params_per_rank": e.psi_rank,
                 "fits": e.fits, "fits_with_checkpointing": e.fits_with_ac,
                 "formulas": e.formulas}
     out = {"ranks": req.ranks, "ranks_per_node": req.ranks_per_node,
