@@ -67,7 +67,8 @@ def test_hybrid_shards_inside_a_node_and_replicates_across():
         shape, Request(ranks=8, ranks_per_node=8, memory_gb=1, global_batch=32))[0]]
     hybrid = estimate(shape, Candidate(1, 8, 1, "fsdp", "HYBRID_SHARD"), req)
     full = estimate(shape, Candidate(1, 8, 1, "fsdp", "FULL_SHARD"), req)
-    assert hybrid.optimizer == pytest.approx(8 * shape.params() / 4)  # N = 4 per node
+    o = state_bytes(req.precision, req.optimizer)[2]
+    assert hybrid.optimizer == pytest.approx(o * shape.params() / 4)  # N = 4 per node
     assert hybrid.optimizer == 2 * full.optimizer and hybrid.comm > full.comm
 
 
