@@ -7,9 +7,9 @@ each rank holds) and the peak bytes autograd keeps saved for backward during the
 (plan/saved.py), each the maximum over ranks, as the estimate prices the busiest rank.
 Targets: params + grads + optimizer state within 10 %, activations within 20 % (with
 activation checkpointing: what stays saved, without the one block recomputed at a time,
-which the hooks cannot see). The gathered units of zero3/fsdp are shown beside: the
-estimate's one largest unit (the ZeRO paper's) against the engine's peak of units gathered
-at once (prefetch keeps a second one).
+which the hooks cannot see). The gathered units of zero3/fsdp are shown beside, not
+judged: the estimate's largest unit (two for fsdp, which prefetches) against the engine's
+peak of units gathered at once (a tiny model's root unit shows up there too).
 """
 
 from __future__ import annotations

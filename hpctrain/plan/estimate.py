@@ -7,7 +7,8 @@ bytes per parameter (p, g, o) from ``state_bytes`` (fp32 AdamW: 4+4+8; mixed: 2+
   zero1                  pΨ + gΨ + oΨ/N                 (4Ψ + 12Ψ/N mixed)
   zero2                  pΨ + (g+o)Ψ/N                  (2Ψ + 14Ψ/N mixed)
   fsdp SHARD_GRAD_OP     (p+g+o)Ψ/N + pΨ gathered       (stage 2, the shard kept besides)
-  zero3, fsdp            (p+g+o)Ψ/N + p·(largest unit)  (16Ψ/N + one gathered unit)
+  zero3                  (p+g+o)Ψ/N + p·(largest unit)  (16Ψ/N + one gathered unit)
+  fsdp                   (p+g+o)Ψ/N + 2p·(largest unit) (the next unit is prefetched)
   fsdp HYBRID            as zero3 with N = ranks per node (replicas across nodes)
 """
 
@@ -125,7 +126,10 @@ def _states(c: Candidate, req: Request, psi: int, unit: int) -> tuple:
         return p * psi, g * psi / n, o * psi / n, 0, "pΨ + gΨ/N + oΨ/N"
     if kind == "fsdp:SHARD_GRAD_OP":  # every unit stays gathered from forward to backward
         return p * psi / n, g * psi / n, o * psi / n, p * psi, "(p+g+o)Ψ/N + pΨ gathered"
-    return p * psi / n, g * psi / n, o * psi / n, p * unit, "(p+g+o)Ψ/N + p·unit"
+    if kind == "zero3":
+        return p * psi / n, g * psi / n, o * psi / n, p * unit, "(p+g+o)Ψ/N + p·unit"
+    # fsdp FULL_SHARD / HYBRID: backward_prefetch gathers the next unit before this one ends
+    return p * psi / n, g * psi / n, o * psi / n, 2 * p * unit, "(p+g+o)Ψ/N + 2p·unit"
 
 
 def _gpt_layer(shape, i: int, e: int, c: Candidate) -> tuple:

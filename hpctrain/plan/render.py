@@ -93,8 +93,9 @@ def legend(shape, req) -> str:
         f"({req.precision}, {req.optimizer}; ZeRO paper: mixed precision keeps an fp32 "
         f"master copy in o, K = {o})",
         "  ddp: pΨ + gΨ + oΨ   zero1: pΨ + gΨ + oΨ/N   zero2: pΨ + (g+o)Ψ/N   "
-        "zero3/fsdp: (p+g+o)Ψ/N + one gathered unit   fsdp:SHARD_GRAD_OP: (p+g+o)Ψ/N + pΨ "
-        "gathered (units stay gathered from forward to backward)   fsdp:HYBRID: as zero3, "
+        "zero3: (p+g+o)Ψ/N + one gathered unit   fsdp: + two (the next one prefetched)   "
+        "fsdp:SHARD_GRAD_OP: (p+g+o)Ψ/N + pΨ "
+        "gathered (units stay gathered from forward to backward)   fsdp:HYBRID: as fsdp, "
         "N = ranks per node",
         f"  activ: Megatron {MEGATRON_FORMULA} per layer (fp16, dropout, unfused "
         f"attention); hpctrain's gpt (fused attention, no dropout) keeps s·b·(16h + a + 4)"
