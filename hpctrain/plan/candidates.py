@@ -29,6 +29,7 @@ class Request:
     global_batch: int = 32
     grad_accum: int = 1
     microbatches: int = 4
+    autocast: bool = False  # price bf16/fp16 states as hpctrain's autocast (fp32) does
 
     @property
     def nodes(self) -> int:

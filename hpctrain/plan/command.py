@@ -42,12 +42,18 @@ def add_parser(sub) -> None:
                    help="memory per rank in GB (1e9 bytes), e.g. 80 for an 80 GB GPU")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="fp32, or bf16/fp16 mixed precision (ZeRO's 2+2+12 bytes/param)")
+    p.add_argument("--states", choices=("zero-paper", "autocast"), default="zero-paper",
+                   help="bytes per parameter under bf16/fp16: zero-paper (2+2+12, fp32 "
+                   "master copy in the optimizer: DeepSpeed/Megatron style) or autocast "
+                   "(hpctrain's own mixed precision: fp32 params, grads and state, 4+4+8)")
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     p.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (0: none)")
     p.add_argument("--global-batch", type=int, default=32, help="samples per step")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     p.add_argument("--micro-batches", type=int, default=4,
                    help="pipeline micro-batches per (grad-accumulation) batch")
+    p.add_argument("--fitting", action="store_true",
+                   help="list only the plans that fit (with or without checkpointing)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--chart", metavar="PATH", default="",
                    help="also draw per-rank memory per plan as a bar chart (PNG)")
@@ -96,7 +102,7 @@ def _request(args):
                    memory_gb=args.memory_gb, precision=args.precision,
                    optimizer=args.optimizer, momentum=args.momentum,
                    global_batch=args.global_batch, grad_accum=args.grad_accum,
-                   microbatches=args.micro_batches)
+                   microbatches=args.micro_batches, autocast=args.states == "autocast")
 
 
 def _no_plan(req, refused: list) -> str:
@@ -131,12 +137,13 @@ def run(args) -> int:
     except PlanInputError as exc:
         print(f"hpctrain plan: error: {exc}", file=sys.stderr)
         return 2
+    shown = [e for e in estimates if e.fits or e.fits_with_ac or not args.fitting]
     if args.chart:
-        render.chart(estimates, req, args.chart)
+        render.chart(shown or estimates, req, args.chart)
     if args.json:
-        print(render.to_json(estimates, req, shape, best))
+        print(render.to_json(shown, req, shape, best))
     else:
-        print(render.table(estimates, req))
+        print(render.table(shown) if shown else "(no plan fits)")
         print()
         print(render.legend(shape, req))
         if best is not None:

@@ -26,10 +26,12 @@ __all__ = ["Estimate", "estimate", "state_bytes", "gpt_layer_activation",
 MEGATRON_FORMULA = "s·b·h·(34 + 5·a·s/h)"
 
 
-def state_bytes(precision: str, optimizer: str, momentum: float = 0.0) -> tuple:
+def state_bytes(precision: str, optimizer: str, momentum: float = 0.0,
+                autocast: bool = False) -> tuple:
     """(param, grad, optimizer) bytes per parameter, as in the ZeRO paper: mixed precision
-    keeps fp16/bf16 params and grads plus an fp32 master copy in the optimizer state."""
-    mixed = precision in ("bf16", "fp16")
+    keeps fp16/bf16 params and grads plus an fp32 master copy in the optimizer state.
+    ``autocast``: hpctrain's own bf16/fp16, autocast over fp32 params, grads and state."""
+    mixed = precision in ("bf16", "fp16") and not autocast
     p = g = 2 if mixed else 4
     if optimizer == "adamw":
         o = 8  # exp_avg + exp_avg_sq
@@ -115,7 +117,7 @@ def _shard_group(c: Candidate, req: Request) -> int:
 
 
 def _states(c: Candidate, req: Request, psi: int, unit: int) -> tuple:
-    p, g, o = state_bytes(req.precision, req.optimizer, req.momentum)
+    p, g, o = state_bytes(req.precision, req.optimizer, req.momentum, req.autocast)
     n = _shard_group(c, req)
     kind = c.dp_label if c.dp > 1 else "ddp"
     if kind in ("ddp", "single"):
@@ -209,7 +211,7 @@ def _activations(shape, c: Candidate, req: Request, stages: list) -> tuple:
 
 def _comm(shape, c: Candidate, req: Request, psi: int, stages: list, b: float) -> tuple:
     """Payload bytes a rank sends into collectives / p2p per optimizer step, and formula."""
-    p, g, _ = state_bytes(req.precision, req.optimizer, req.momentum)
+    p, g, _ = state_bytes(req.precision, req.optimizer, req.momentum, req.autocast)
     parts, text = 0.0, []
     kind = c.dp_label
     if c.dp > 1:
@@ -254,7 +256,7 @@ def estimate(shape, c: Candidate, req: Request) -> Estimate:
     pb, gb, ob, gathered, states_formula = _states(c, req, psi, unit)
     act, act_ac, kept, b, live = _activations(shape, c, req, stages)
     comm, comm_formula = _comm(shape, c, req, psi, stages, b)
-    p, g, o = state_bytes(req.precision, req.optimizer, req.momentum)
+    p, g, o = state_bytes(req.precision, req.optimizer, req.momentum, req.autocast)
     formulas = {"states": f"{states_formula} with p={p}, g={g}, o={o}, "
                           f"N={_shard_group(c, req)}, Ψ={psi:,}",
                 "activations": f"micro-batch b={b:g} x {max(live)} in flight",

@@ -62,7 +62,7 @@ def _verdict(e) -> str:
     return f"DOES NOT FIT (needs {human(e.needed)})"
 
 
-def table(estimates: list, req) -> str:
+def table(estimates: list) -> str:
     """One row per plan; a plan that does not fit even with checkpointing is struck
     through (~~plan~~)."""
     head = ("plan", "params", "grads", "optimizer", "gathered", "activ", "activ AC",
@@ -86,12 +86,15 @@ def legend(shape, req) -> str:
     """The formulas behind the columns, with the numbers of this request."""
     from hpctrain.plan.estimate import state_bytes
 
-    p, g, o = state_bytes(req.precision, req.optimizer, req.momentum)
+    p, g, o = state_bytes(req.precision, req.optimizer, req.momentum, req.autocast)
     lines = [
         f"per rank, bytes in GB = 1e9; Ψ = parameters a rank's stage holds (after the tp "
         f"split), N = ranks sharding them; p={p}, g={g}, o={o} bytes per parameter "
-        f"({req.precision}, {req.optimizer}; ZeRO paper: mixed precision keeps an fp32 "
-        f"master copy in o, K = {o})",
+        f"({req.precision}, {req.optimizer}; " + (
+            "--states autocast: hpctrain's bf16/fp16 autocast keeps fp32 params, grads and "
+            "state)" if req.autocast and req.precision != "fp32" else
+            f"ZeRO paper: mixed precision keeps an fp32 master copy in o, K = {o}; "
+            "hpctrain's own autocast keeps fp32 params: --states autocast)"),
         "  ddp: pΨ + gΨ + oΨ   zero1: pΨ + gΨ + oΨ/N   zero2: pΨ + (g+o)Ψ/N   "
         "zero3: (p+g+o)Ψ/N + one gathered unit   fsdp: + two (the next one prefetched)   "
         "fsdp:SHARD_GRAD_OP: (p+g+o)Ψ/N + pΨ "

@@ -37,6 +37,18 @@ def test_state_bytes_per_parameter(precision, optimizer, momentum, expected):
     assert state_bytes(precision, optimizer, momentum) == expected
 
 
+def test_autocast_states_are_fp32_whatever_the_precision():
+    assert state_bytes("bf16", "adamw", autocast=True) == (4, 4, 8)
+    shape = gpt_shape(**TINY)
+    paper, autocast = (estimate(shape, Candidate(1, 4, 1, "zero1"),
+                                Request(4, 4, 1, "bf16", global_batch=16, autocast=a))
+                       for a in (False, True))
+    psi = shape.params()
+    assert paper.params + paper.grads + paper.optimizer == pytest.approx(4 * psi + 3 * psi)
+    assert autocast.params + autocast.grads + autocast.optimizer == pytest.approx(8 * psi
+                                                                                + 2 * psi)
+
+
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_zero_paper_formulas_mixed_precision(n):
     shape = gpt_shape(**TINY)
@@ -192,6 +204,11 @@ def test_table_strikes_out_what_does_not_fit(capsys):
     assert "~~ddp~~" in out and "DOES NOT FIT" in out and "fits with AC" in out
     assert "s·b·h·(34 + 5·a·s/h)" in out and "pΨ + gΨ + oΨ/N" in out
     assert "--activation-checkpointing" in out and "[train.model_options]" in out
+    main(["plan", "--layers", "24", "--hidden", "2048", "--heads", "16", "--vocab", "32000",
+          "--seq", "2048", "--ranks", "4", "--precision", "bf16", "--global-batch", "16",
+          "--memory-gb", "10", "--fitting"])
+    out = capsys.readouterr().out
+    assert "~~" not in out and "fits with AC" in out
 
 
 def test_json_and_chart(tmp_path, capsys):
