@@ -167,15 +167,20 @@ def _stage_bytes(shape, stage: list, e: int, c: Candidate, pipeline: bool) -> tu
             rows[-1] = (rows[-1][0], rows[-1][1], sum(loss_saved.values()) * scale)
         full = sum({**union, **loss_saved}.values()) * scale
         fulls = [r[0] for r in rows]
-    recomputed = [i for i in stage if pipeline or shape.layers[i].is_block]
+    recomputed = [f for i, f in zip(stage, fulls) if pipeline or shape.layers[i].is_block]
     loss = sum(r[2] for r in rows)
     if pipeline:  # every layer recomputes; each keeps its input
         kept = sum(r[1] for r in rows) + loss
     else:  # blocks keep their input, the rest all it saves
-        kept = sum(r[1] if shape.layers[i].is_block else r[0] for i, r in zip(stage, rows)) \
-            + loss
-    transient = max((f for i, f in zip(stage, fulls) if i in recomputed), default=0.0)
-    return full, kept, transient
+        kept = loss
+        for i, r in zip(stage, rows):
+            inner = shape.layers[i].inner_blocks
+            if shape.layers[i].is_block:
+                kept += r[1]
+            else:  # blocks nested inside: each keeps its input instead of what it saves
+                kept += r[0] - sum(b[1] - b[2] for b in inner) * e / 4
+                recomputed += [b[1] * e / 4 for b in inner]
+    return full, kept, max(recomputed, default=0.0)
 
 
 def _input_bytes(shape, e: int) -> float:

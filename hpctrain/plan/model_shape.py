@@ -10,6 +10,7 @@ the meta device, counting what autograd saves (saved.py).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from dataclasses import dataclass, field
@@ -57,6 +58,9 @@ class LayerInfo:
     input_bytes: float = 0.0
     output_bytes: float = 0.0
     loss_saved: dict = field(default_factory=dict)
+    # blocks nested inside a layer that is not one (a user's whole model as one layer):
+    # (parameters, bytes saved, input bytes) per sample each, for units and checkpointing
+    inner_blocks: list = field(default_factory=list)
 
 
 @dataclass
@@ -106,7 +110,9 @@ class ModelShape:
         blocks = [i for i in indices if self.layers[i].is_block]
         rest = [i for i in indices if not self.layers[i].is_block]
         out = [self.params([i], splits, tp) for i in blocks]
-        return out + ([self.params(rest, splits, tp)] if rest else [])
+        inner = [b[0] for i in rest for b in self.layers[i].inner_blocks]
+        remainder = self.params(rest, splits, tp) - sum(inner)
+        return out + inner + ([remainder] if rest and remainder else [])
 
 
 def gpt_shape(layers: int, hidden: int, heads: int, vocab: int, seq: int) -> ModelShape:
@@ -211,7 +217,7 @@ def _meta_forward(stack: LayerStack, infos: list, sample, target, loss_fn) -> No
     for layer, info in zip(stack.layers, infos):
         info.input_bytes = _nbytes(x)
         meters.append(SavedTensorMeter(lambda: params))
-        with meters[-1]:
+        with meters[-1], _inner_blocks(root, layer, info, meters[-1]):
             x = layer.forward(root, x)
         info.saved, info.output_bytes = dict(meters[-1].seen), float(_nbytes(x))
     if loss_fn is not None and target is not None:
@@ -219,6 +225,42 @@ def _meta_forward(stack: LayerStack, infos: list, sample, target, loss_fn) -> No
         with meters[-1]:
             loss_fn(x, _to_meta(target))
         infos[-1].loss_saved = dict(meters[-1].seen)
+
+
+@contextlib.contextmanager
+def _inner_blocks(root: nn.Module, layer, info: LayerInfo, meter: SavedTensorMeter):
+    """Record (params, saved bytes, input bytes) of the blocks inside a layer that is not
+    a block itself, from hooks around each block's forward."""
+    from hpctrain.models.structure import find_blocks
+
+    if info.is_block:
+        yield
+        return
+    paths = [p.split(".", 1)[0] for p in _layer_paths(layer, root)]
+    blocks = [m for path in paths for _, m in find_blocks(root.get_submodule(path))]
+    before, handles = {}, []
+
+    def pre(module, args):
+        before[id(module)] = set(meter.seen)
+
+    def post(module, args, out):
+        new = sum(b for k, b in meter.seen.items() if k not in before[id(module)])
+        info.inner_blocks.append((sum(p.numel() for p in module.parameters()), float(new),
+                                  float(_nbytes(args[0]) if args else 0)))
+
+    for m in blocks:
+        handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _layer_paths(layer, root: nn.Module) -> list:
+    """The top-level module names a layer builds (its modules mounted under root)."""
+    with torch.device("meta"):
+        return [path for path in layer.build() if path.split(".", 1)[0] in root._modules]
 
 
 def _to_meta(t):

@@ -264,3 +264,32 @@ def test_70b_description_costs_seconds_and_little_memory():
     assert elapsed < 60, elapsed
     # the largest child so far (this one or smaller): the bf16 weights alone are 130 GB
     assert rss_mb < 2000, rss_mb
+
+
+@pytest.mark.parametrize("spec, tolerance", [
+    ("mlp", 0.01),
+    ("tests.fixtures.resnetish:factory", 0.25),  # blocks nested in a user's model
+    ("tests.fixtures.vitish:factory", 0.25),     # meta attention keeps scores: errs high
+])
+def test_meta_forward_activations_against_a_real_step(spec, tolerance):
+    from hpctrain.models import registry
+    from hpctrain.parallel.activation_checkpointing import checkpoint_blocks
+
+    shape = shape_of(spec)
+    e = estimate(shape, Candidate(1, 1, 1, "single"),
+                 Request(1, 1, 1, "fp32", global_batch=8))
+    measured = []
+    for checkpointing in (False, True):
+        built = registry.build(spec, 0)
+        model = built.model
+        if checkpointing:
+            checkpoint_blocks(model, is_main=False)
+        x = torch.stack([built.dataset[i][0] for i in range(8)])
+        y = torch.stack([built.dataset[i][1] for i in range(8)])
+        meter = SavedTensorMeter(lambda: list(model.parameters()))
+        with meter:
+            built.loss_fn(model(x), y).backward()
+        measured.append(meter.peak)
+    assert e.activations == pytest.approx(measured[0], rel=tolerance)
+    assert e.activations_kept == pytest.approx(measured[1], rel=tolerance)
+    assert e.activations_kept < e.activations
