@@ -148,7 +148,7 @@ def table(rows: list, world_size: int) -> tuple[str, bool]:
     lines = [f"plan bench: {world_size} ranks, fp32 AdamW, global batch 16, pipeline 4 "
              f"micro-batches; gpt {GPT_DIMS}, stack {STACK['layers']} x Linear "
              f"{STACK['width']}; bytes per rank (max over ranks)",
-             f"  {'model':<6}{'plan':<26}{'AC':<4}{'states est':>11}{'measured':>10}"
+             f"  {'model':<6}{'plan':<31}{'AC':<4}{'states est':>11}{'measured':>10}"
              f"{'ratio':>7}{'':>6}{'activ est':>11}{'measured':>10}{'ratio':>7}{'':>6}"
              f"{'gathered est':>13}{'peak':>9}"]
     ok = True
@@ -156,7 +156,7 @@ def table(rows: list, world_size: int) -> tuple[str, bool]:
         sr, sv = _verdict(r["states_est"], r["states_measured"], STATES_TOLERANCE)
         ar, av = _verdict(r["act_est"], r["act_measured"], ACTIVATION_TOLERANCE)
         ok &= sv == av == "PASS"
-        lines.append(f"  {r['model']:<6}{r['plan']:<26}{'on' if r['checkpointing'] else 'off':<4}"
+        lines.append(f"  {r['model']:<6}{r['plan']:<31}{'on' if r['checkpointing'] else 'off':<4}"
                      f"{r['states_est']:>11,.0f}{r['states_measured']:>10,}{sr:>7.3f} {sv:<5}"
                      f"{r['act_est']:>11,.0f}{r['act_measured']:>10,}{ar:>7.3f} {av:<5}"
                      f"{r['gathered_est']:>13,.0f}{r['gathered_measured']:>9,}")
