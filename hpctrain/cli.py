@@ -179,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--no-torch", action="store_true", help="skip torch's tensor parallel")
     bt.add_argument("--json", dest="json_path", default="", metavar="PATH",
                     help="also write the table as JSON to PATH")
+    bsub.add_parser("plan", help="every plan `hpctrain plan` prices for a tiny gpt and a "
+                    "Linear stack, run one step: estimated vs measured bytes per rank "
+                    "(targets: states 10%%, activations 20%%); run under the launcher")
     bh = bsub.add_parser("halo", help="halo exchange vs raw MPI Sendrecv; U-Net step time at "
                          "N ranks vs 1 on the same grid, with and without overlap")
     bh.add_argument("--size", type=int, default=512, help="exchange bench: global grid side")
@@ -193,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     bh.add_argument("--warmup", type=int, default=2, help="untimed U-Net steps first")
     _add_jobgen_parser(sub)
     _add_report_parser(sub)
+    from hpctrain.plan.command import add_parser as add_plan_parser
+
+    add_plan_parser(sub)
     return p
 
 
@@ -446,6 +452,10 @@ def cmd_bench(args) -> int:
                             args.steps, args.warmup, not args.no_torch,
                             tuple(args.wait.split(",")), args.model, args.layer_ms, args.p2p,
                             args.layer_sleep)
+    if args.bench_command == "plan":
+        from hpctrain.bench.plan import run as run_plan_bench
+
+        return run_plan_bench()
     if args.bench_command == "tp":
         from hpctrain.bench.tensor import run as run_tp
 
@@ -482,6 +492,12 @@ def cmd_jobgen(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from hpctrain.plan.command import run as run_plan
+
+    return run_plan(args)
+
+
 def cmd_doctor(args) -> int:
     from hpctrain.doctor import run_doctor
 
@@ -511,4 +527,6 @@ def main(argv=None) -> int:
         return cmd_jobgen(args)
     if args.command == "report":
         return cmd_report(args)
+    if args.command == "plan":
+        return cmd_plan(args)
     raise RuntimeError(f"unhandled command {args.command}")  # argparse rejects unknown ones
