@@ -110,6 +110,11 @@ class Trainer:
         if has_deferred(self.built.model) and world.is_main:
             print("hpctrain: deferred init: the model was built on the meta device; each rank "
                   "fills only the part it keeps, layer by layer", flush=True)
+        elif t.deferred_init and _keeps_a_part(self.plan, cfg) and world.is_main:
+            print(f"hpctrain: note: model {t.model!r} was built whole on every rank before "
+                  f"being split (deferred init needs a model described layer by layer, as "
+                  f"the built-in gpt and mlp are: a factory's nn.Module exists whole once it "
+                  f"is returned)", flush=True)
         self.par = parallelize(self.plan, self.built.model, make_optimizer_factory(t), world,
                                options, activation_checkpointing=t.activation_checkpointing)
         data_rank, data_ranks = self.par.data_shard(world)
