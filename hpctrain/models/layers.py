@@ -15,8 +15,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-__all__ = ["PipeLayer", "LayerStack", "layer_seed", "seeded", "mount", "from_sequential",
-           "shared_parameters"]
+__all__ = ["PipeLayer", "LayerStack", "StackModel", "layer_seed", "seeded", "mount",
+           "from_sequential", "shared_parameters"]
 
 _MASK63 = (1 << 63) - 1
 
@@ -69,6 +69,11 @@ class LayerStack:
             counts.append(sum(p.numel() for m in mods.values() for p in m.parameters()))
         return counts
 
+    def module(self) -> "StackModel":
+        """The whole model as one module (every layer built, tied tensors shared), whose
+        forward runs the layers' forwards in order: what one process trains."""
+        return StackModel(self)
+
     def build(self, indices) -> nn.Module:
         """A root module holding the layers ``indices``, mounted at their whole-model paths.
 
@@ -84,6 +89,25 @@ class LayerStack:
                 mod_path, _, pname = alias.rpartition(".")
                 setattr(root.get_submodule(mod_path), pname, root.get_parameter(owner))
         return root
+
+
+class StackModel(nn.Module):
+    """A LayerStack built whole: its layers' modules mounted at their paths, and a forward
+    that runs the layers' forwards in order. A user factory may return a LayerStack instead
+    of a module; then every strategy builds from it, and deferred initialisation fills each
+    rank's part layer by layer (parallel/deferred.py)."""
+
+    def __init__(self, stack: LayerStack):
+        super().__init__()
+        root = stack.build(range(len(stack)))
+        for name, child in root.named_children():
+            self.add_module(name, child)
+        self._forwards = tuple(layer.forward for layer in stack.layers)
+
+    def forward(self, x):
+        for forward in self._forwards:
+            x = forward(self, x)
+        return x
 
 
 def _has(root: nn.Module, path: str) -> bool:

@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from . import gpt, mlp, unet
+from .layers import LayerStack
 
 __all__ = ["BuiltModel", "BUILTIN", "build", "build_deferred", "build_layers", "describe",
            "detect_unit"]
@@ -79,17 +80,18 @@ def _resolve_user(spec):
 
 def _check_result(spec, result):
     """Validate a factory's return value against the (model, dataset, loss_fn) contract."""
-    how = ("; fix: the factory must return (nn.Module, map-style Dataset of (input, target) "
-           "tensor pairs, loss_fn(output, target) -> mean loss)")
+    how = ("; fix: the factory must return (nn.Module or models.layers.LayerStack, map-style "
+           "Dataset of (input, target) tensor pairs, loss_fn(output, target) -> mean loss)")
     if not isinstance(result, (tuple, list)) or len(result) != 3:
         got = f"{len(result)}-tuple" if isinstance(result, (tuple, list)) \
             else type(result).__name__
         raise ValueError(f"model spec {spec!r}: factory returned a {got}, expected a "
                          f"3-tuple (model, dataset, loss_fn){how}")
     model, dataset, loss_fn = result
-    if not isinstance(model, nn.Module):
+    if not isinstance(model, (nn.Module, LayerStack)):
         raise ValueError(f"model spec {spec!r}: the model (item 0) is a "
-                         f"{type(model).__name__}, expected a torch.nn.Module{how}")
+                         f"{type(model).__name__}, expected a torch.nn.Module or a LayerStack"
+                         f"{how}")
     if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         raise ValueError(f"model spec {spec!r}: the dataset (item 1) is a "
                          f"{type(dataset).__name__} without __len__/__getitem__, expected a "
@@ -107,8 +109,8 @@ def _check_result(spec, result):
     return model, dataset, loss_fn
 
 
-def build(spec, seed, **options):
-    """Build `spec` (a name in BUILTIN or 'package.module:factory') with weights from `seed`."""
+def _call(spec, seed, options):
+    """(model or LayerStack, dataset, loss_fn) from the spec's factory, checked."""
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"model spec {spec!r} must be a non-empty string: a built-in name "
                          f"({', '.join(BUILTIN)}) or 'package.module:factory'")
@@ -135,7 +137,15 @@ def build(spec, seed, **options):
     # caller's global RNG state untouched.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model, dataset, loss_fn = _check_result(spec, call())
+        return _check_result(spec, call())
+
+
+def build(spec, seed, **options):
+    """Build `spec` (a name in BUILTIN or 'package.module:factory') with weights from `seed`.
+    A factory's LayerStack is built whole (``LayerStack.module()``)."""
+    model, dataset, loss_fn = _call(spec, seed, options)
+    if isinstance(model, LayerStack):
+        model = model.module()
     unit, per_sample = detect_unit(dataset)
     return BuiltModel(model, dataset, loss_fn, spec, unit, per_sample)
 
@@ -156,22 +166,35 @@ def build_layers(spec, seed, **options):
                              f"{', '.join(accepted)}")
         stack, dataset, loss_fn = _PIPELINES[spec](seed, **options)
     else:
-        built = build(spec, seed, **options)
-        stack, dataset, loss_fn = from_sequential(built.model), built.dataset, built.loss_fn
+        model, dataset, loss_fn = _call(spec, seed, options)
+        stack = model if isinstance(model, LayerStack) else from_sequential(model)
     unit, per_sample = detect_unit(dataset)
     return BuiltModel(stack, dataset, loss_fn, spec, unit, per_sample)
 
 
 def build_deferred(spec, seed, **options):
-    """(BuiltModel whose model is on the meta device, its LayerStack) for a built-in model
-    described layer by layer (the stack builds any layer alone, with the values the whole
-    model has); None for a model that cannot be (a user factory builds its model whole).
-    Nothing is materialised here: parallel/deferred.py fills what each rank keeps."""
-    if not isinstance(spec, str) or spec not in _PIPELINES:
+    """(BuiltModel, LayerStack or None) for a plan where no rank keeps the whole model.
+
+    A built-in described layer by layer (gpt, mlp), or a factory returning a LayerStack:
+    the model is built on the meta device and the stack is returned, for
+    parallel/deferred.py to fill what each rank keeps; nothing is materialised here. A
+    factory's nn.Module exists whole once returned: it comes back as built, with None.
+    Built-ins not described layer by layer: None (build them with ``build``)."""
+    if isinstance(spec, str) and spec in _PIPELINES:
+        layered = build_layers(spec, seed, **options)  # the stack (no weights), data, loss
+        with torch.device("meta"), torch.random.fork_rng(devices=[]):
+            model = _FACTORIES[spec](seed, **options)[0]  # its data (meta here) is dropped
+        stack = layered.model
+    elif isinstance(spec, str) and ":" in spec:
+        model, dataset, loss_fn = _call(spec, seed, options)
+        stack = model if isinstance(model, LayerStack) else None
+        if stack is not None:
+            with torch.device("meta"):
+                model = stack.module()
+        unit, per_sample = detect_unit(dataset)
+        return BuiltModel(model, dataset, loss_fn, spec, unit, per_sample), stack
+    else:
         return None
-    layered = build_layers(spec, seed, **options)  # the stack (no weights), data and loss
-    with torch.device("meta"), torch.random.fork_rng(devices=[]):
-        model = _FACTORIES[spec](seed, **options)[0]  # its data (meta here) is dropped
     built = BuiltModel(model, layered.dataset, layered.loss_fn, spec, layered.unit,
                        layered.units_per_sample)
-    return built, layered.model
+    return built, stack

@@ -50,7 +50,8 @@ def build_model(cfg: Config, world_size: int | None = None) -> BuiltModel:
         deferred = build_deferred(t.model, t.seed, **t.model_options)
         if deferred is not None:
             built, stack = deferred
-            defer_init(built.model, stack)
+            if stack is not None:
+                defer_init(built.model, stack)
             return built
     return build(t.model, t.seed, **t.model_options)
 
@@ -112,9 +113,9 @@ class Trainer:
                   "fills only the part it keeps, layer by layer", flush=True)
         elif t.deferred_init and _keeps_a_part(self.plan, cfg) and world.is_main:
             print(f"hpctrain: note: model {t.model!r} was built whole on every rank before "
-                  f"being split (deferred init needs a model described layer by layer, as "
-                  f"the built-in gpt and mlp are: a factory's nn.Module exists whole once it "
-                  f"is returned)", flush=True)
+                  f"being split: deferred init needs a model described layer by layer (the "
+                  f"built-in gpt and mlp, or a factory returning a models.layers.LayerStack); "
+                  f"a factory's nn.Module exists whole once it is returned", flush=True)
         self.par = parallelize(self.plan, self.built.model, make_optimizer_factory(t), world,
                                options, activation_checkpointing=t.activation_checkpointing)
         data_rank, data_ranks = self.par.data_shard(world)

@@ -64,6 +64,34 @@ def test_a_model_above_the_cap_trains_under_zero3_with_deferred_init(tmp_path):
     assert "can't allocate memory" in whole.stderr, whole.stderr[-3000:]
 
 
+def _cli(tmp_path, name, ranks, *flags):
+    summary = tmp_path / f"{name}.json"
+    cmd = [sys.executable, "-m", "hpctrain", "train", "--model", "tests.fixtures.stacked:factory",
+           "--steps", "20", "--global-batch-size", "8", "--progress", "off", "--out-dir", "",
+           "--summary", str(summary), *flags]
+    if ranks > 1:
+        cmd = ["mpirun", "-n", str(ranks), "--oversubscribe", "--bind-to", "none", *cmd]
+    proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env({}), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout, json.loads(summary.read_text())["losses"]
+
+
+@pytest.mark.mpi
+def test_a_user_layerstack_trains_deferred_under_zero3_fsdp_and_the_pipeline(tmp_path):
+    """A factory returning a LayerStack (tied embedding/head, a buffer, a frozen weight,
+    uneven sizes): zero3 and fsdp build it with deferred init, the pipeline splits it at its
+    layers, and all follow one process."""
+    _, want = _cli(tmp_path, "single", 1)
+    for name, ranks, flags in (("zero3", 2, ["--strategy", "zero3"]),
+                               ("fsdp", 3, ["--strategy", "fsdp"]),
+                               ("pipeline", 2, ["--strategy", "pipeline"])):
+        out, got = _cli(tmp_path, name, ranks, *flags)
+        assert ("deferred init" in out) == (name != "pipeline"), (name, out)
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0,
+                                   msg=name)
+
+
 # ---- no MPI ---------------------------------------------------------------------------
 
 
@@ -79,7 +107,8 @@ def test_placeholders_hold_one_process_values_layer_by_layer():
     opts = dict(d_model=24, heads=4, layers=3, vocab=29, seq_len=8, n_samples=16)
     real = build("gpt", 5, **opts).model
     built, stack = build_deferred("gpt", 5, **opts)
-    assert build_deferred("tests.fixtures.awkward:factory", 0) is None  # user factory
+    whole, none = build_deferred("tests.fixtures.awkward:factory", 0)  # a factory's module
+    assert none is None and not any(p.is_meta for p in whole.model.parameters())
     n = defer_init(built.model, stack)
     model = built.model
     assert has_deferred(model) and n == len(dict(model.named_parameters()))
