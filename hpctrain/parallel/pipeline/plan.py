@@ -72,9 +72,9 @@ def split_at(points, names: list[str], stages: int, modules: dict | None = None)
         elif item in modules:
             idx = modules[item]
         else:
-            raise ValueError(f"pipeline.split_points: {item!r} is neither a layer index, a "
-                             f"layer name nor a module of a layer; layers are "
-                             f"{', '.join(names)}")
+            raise ValueError(f"pipeline.split_points: {item!r} is neither a layer index nor a "
+                             f"layer name (nor the path of a module a layer holds); layers "
+                             f"are {', '.join(names)}")
         starts.append(idx)
     if len(starts) != stages:
         raise ValueError(f"pipeline.split_points = {points!r} gives {len(starts)} stages but the "
