@@ -1,11 +1,12 @@
 """Pipelines of models that are not nn.Sequential (issue 21): Hugging Face GPT-2 (lm_head tied
 to wte across stages) and Llama (rotary embeddings recomputed in each stage; head tied and
 untied), and a generic embeddings -> ModuleList -> norm -> head model, split by
-hpctrain.models.chain. 20 fp32 steps at pp=2 (balanced by parameter count, and at named
-module split points), pp=2 x dp=2 with zero3/zero1, and zero3 of the same factory, all within
-rtol 1e-5 of one process. Three launches (1, 2 and 4 ranks). Plus the split itself (exact
-logits, ties, split points by module name) and a model whose forward is not a chain (one
-error line, exit 2, before MPI).
+hpctrain.models.chain. 20 fp32 steps at pp=2 (balanced by parameter count; and through
+`python -m hpctrain train` at a named module split point), pp=2 x dp=2 with zero3/zero1, and
+zero3 of the same factory, all within rtol 1e-5 of one process. Four launches (1, 2 and 4
+ranks, then the command line at 2). Plus the split itself (exact logits, ties, split points
+by module name) and a model whose forward is not a chain (one error line, exit 2, before
+MPI).
 """
 
 import json
@@ -43,8 +44,6 @@ def _case(cid, model, strategy="single", mesh=None, flavour=None, ref=None, **pi
 REFS = [_case(m, m) for m in (GPT2, LLAMA, LLAMA_TIED, GENERIC)]
 TWO = [
     _case("gpt2-pp2", GPT2, "pipeline", "pp=2", ref=GPT2),
-    _case("gpt2-pp2-split", GPT2, "pipeline", "pp=2", ref=GPT2,
-          split_points="transformer.h.1"),
     _case("llama-pp2", LLAMA, "pipeline", "pp=2", ref=LLAMA),
     _case("llama-tied-pp2-interleaved", LLAMA_TIED, "pipeline", "pp=2", ref=LLAMA_TIED,
           schedule="interleaved-1f1b", split_points="model.layers.1,model.layers.3,lm_head"),
@@ -55,6 +54,19 @@ FOUR = [
     _case("gpt2-pp2-dp2-zero3", GPT2, "pipeline", "pp=2,dp=2", "zero3", ref=GPT2),
     _case("llama-pp2-dp2-zero1", LLAMA, "pipeline", "pp=2,dp=2", "zero1", ref=LLAMA),
 ]
+# The command line itself, with stages starting at a named module: the worker's defaults.
+CLI = {"id": "gpt2-pp2-split-cli", "ref": GPT2, "args": [
+    "-m", "hpctrain", "train", "--model", GPT2, "--strategy", "pipeline", "--mesh", "pp=2",
+    "--set", "pipeline.split_points=transformer.h.1", "--steps", "20",
+    "--global-batch-size", "16", "--optimizer", "adamw", "--lr", "0.003",
+    "--weight-decay", "0.01", "--progress", "off"]}
+
+
+def _run_cli(tmp) -> dict:
+    proc = run_mpi(2, CLI["args"] + ["--out-dir", str(tmp / "cli")], timeout=600)
+    summary = json.loads((tmp / "cli" / "summary.json").read_text())
+    return {"losses": summary["losses"], "param_norm": summary["param_norm"],
+            "log": proc.stdout}
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +79,12 @@ def results(tmp_path_factory):
         run = run_single if n == 1 else lambda args, **kw: run_mpi(n, args, **kw)
         run([WORKER, str(out), str(cases_path)], timeout=600)
         got.update(json.loads(out.read_text()))
+    got[CLI["id"]] = _run_cli(tmp)
     return got
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("case", TWO + FOUR, ids=lambda c: c["id"])
+@pytest.mark.parametrize("case", TWO + FOUR + [CLI], ids=lambda c: c["id"])
 def test_trains_as_one_process(results, case):
     got, ref = results[case["id"]], results[case["ref"]]
     assert len(got["losses"]) == 20
@@ -82,7 +95,7 @@ def test_trains_as_one_process(results, case):
 @pytest.mark.mpi
 def test_split_points_name_modules(results):
     assert "stages 0:transformer.wte..transformer.h.0 | 1:transformer.h.1..lm_head" \
-        in results["gpt2-pp2-split"]["log"]
+        in results[CLI["id"]]["log"]
 
 
 @pytest.mark.parametrize("factory", [hf_models.gpt2_factory, hf_models.llama_factory,
