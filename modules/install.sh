@@ -77,9 +77,12 @@ make_venv() {
     [ -x "$VENV/bin/python" ] || { log "creating virtualenv $VENV"; "$PYTHON" -m venv "$VENV"; }
     PY=$VENV/bin/python
     PIP=("$PY" -m pip --disable-pip-version-check -q)
-    log "installing $TORCH_SPEC, numpy, mpi4py and build tools"
-    "${PIP[@]}" install "$TORCH_SPEC" numpy mpi4py tqdm pytest "Cython>=3" pkgconfig setuptools wheel \
-        packaging psutil pyyaml cloudpickle matplotlib 2> >(grep -v "is ignored" >&2)
+    log "installing $TORCH_SPEC, numpy, mpi4py, build tools and the test extras (transformers)"
+    # transformers: the tests pipeline Hugging Face GPT-2 and Llama; installed next to the pinned
+    # torch, which it does not replace (torch is an optional dependency of transformers).
+    "${PIP[@]}" install "$TORCH_SPEC" numpy mpi4py tqdm pytest transformers "Cython>=3" pkgconfig \
+        setuptools wheel packaging psutil pyyaml cloudpickle matplotlib \
+        2> >(grep -v "is ignored" >&2)
     # Horovod needs cmake 3.13..3.x: cmake 4 refuses its bundled gloo.
     local cv
     cv=$(cmake --version 2>/dev/null | head -1 | grep -oE '[0-9]+\.[0-9]+' | head -1 || true)

@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from . import gpt, mlp, unet
+from .chain import split_model
 from .layers import LayerStack
 
 __all__ = ["BuiltModel", "BUILTIN", "build", "build_deferred", "build_layers", "describe",
@@ -154,10 +155,9 @@ def build_layers(spec, seed, **options):
     """Like build(), but ``model`` is a LayerStack that builds layers on demand (pipeline).
 
     Built-in models build no weights here; a user factory's model is built whole once and
-    must be an nn.Sequential (one layer per child).
+    must be a chain (an nn.Sequential, a known architecture or embeddings -> blocks -> head:
+    models/chain.py), checked against the model's forward on the first two samples.
     """
-    from .layers import from_sequential
-
     if spec in _PIPELINES:
         accepted = [p for p in inspect.signature(_PIPELINES[spec]).parameters if p != "seed"]
         unknown = sorted(set(options) - set(accepted))
@@ -167,9 +167,14 @@ def build_layers(spec, seed, **options):
         stack, dataset, loss_fn = _PIPELINES[spec](seed, **options)
     else:
         model, dataset, loss_fn = _call(spec, seed, options)
-        stack = model if isinstance(model, LayerStack) else from_sequential(model)
+        stack = model if isinstance(model, LayerStack) else split_model(model, _sample(dataset))
     unit, per_sample = detect_unit(dataset)
     return BuiltModel(stack, dataset, loss_fn, spec, unit, per_sample)
+
+
+def _sample(dataset) -> torch.Tensor:
+    """A batch of the data set's first (up to) two inputs, to check a model's split."""
+    return torch.stack([torch.as_tensor(dataset[i][0]) for i in range(min(2, len(dataset)))])
 
 
 def build_deferred(spec, seed, **options):

@@ -57,18 +57,24 @@ def balanced_split(costs, stages: int) -> list[int]:
     return starts[::-1]
 
 
-def split_at(points: str, names: list[str], stages: int) -> list[int]:
-    """Stage start indices from 'i,j,...' (layer indices or names where stages 2.. begin)."""
-    items = [x.strip() for x in points.split(",") if x.strip()]
+def split_at(points, names: list[str], stages: int, modules: dict | None = None) -> list[int]:
+    """Stage start indices from 'i,j,...' or a list: layer indices, layer names or module
+    paths (``modules``: {path: index of the layer holding it}) where stages 2.. begin."""
+    items = points.split(",") if isinstance(points, str) else [str(x) for x in points]
+    items = [x.strip() for x in items if x.strip()]
+    modules = modules or {}
     starts = [0]
     for item in items:
         if item.lstrip("-").isdigit():
             idx = int(item)
         elif item in names:
             idx = names.index(item)
+        elif item in modules:
+            idx = modules[item]
         else:
             raise ValueError(f"pipeline.split_points: {item!r} is neither a layer index nor a "
-                             f"layer name; layers are {', '.join(names)}")
+                             f"layer name (nor the path of a module a layer holds); layers "
+                             f"are {', '.join(names)}")
         starts.append(idx)
     if len(starts) != stages:
         raise ValueError(f"pipeline.split_points = {points!r} gives {len(starts)} stages but the "

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from hpctrain.errors import UsageError
-from hpctrain.models.layers import LayerStack, from_sequential
+from hpctrain.models.chain import split_model
+from hpctrain.models.layers import LayerStack
 from hpctrain.parallel.pipeline import plan, schedule as sched
 from hpctrain.parallel.pipeline.engine import Engine
 from hpctrain.parallel.pipeline import p2p_plan
@@ -270,6 +271,11 @@ def _layer_paths(layer) -> list[str]:
         return list(layer.build())
 
 
+def _module_layers(stack) -> dict:
+    """{module path: index of the layer that holds it}: split points may name modules."""
+    return {path: i for i, layer in enumerate(stack.layers) for path in _layer_paths(layer)}
+
+
 def _with_last(items):
     """(item, is it the last one) over an iterable, looking one item ahead."""
     it = iter(items)
@@ -339,14 +345,15 @@ def _layer_costs(stack, opts: PipelineOptions, pp, dp):
     return costs.tolist()
 
 
-def _as_stack(model) -> LayerStack:
-    """A LayerStack as given; an nn.Sequential one layer per child (ties declared)."""
+def _as_stack(model, sample=None) -> LayerStack:
+    """A LayerStack as given; a module split into its chain of layers (ties declared),
+    checked against its forward on ``sample`` when given."""
     if isinstance(model, LayerStack):
         return model
     if isinstance(model, nn.Module):
-        return from_sequential(model)  # TypeError naming what is expected for other modules
-    raise TypeError(f"the pipeline strategy takes an nn.Sequential or a models.layers.LayerStack, "
-                    f"got {type(model).__name__}")
+        return split_model(model, sample)  # TypeError naming what is expected otherwise
+    raise TypeError(f"the pipeline strategy takes an nn.Module whose forward is a chain of "
+                    f"layers or a models.layers.LayerStack, got {type(model).__name__}")
 
 
 def _tied_copies(stack: LayerStack, root: nn.Module) -> dict:
@@ -404,7 +411,7 @@ def prepare(stack, world, options: PipelineOptions | None = None, flavour: str =
     opts = options or PipelineOptions()
     if opts.p2p not in P2P_MODES:  # pure: before any collective
         raise ValueError(f"pipeline.p2p = {opts.p2p!r}: expected one of {', '.join(P2P_MODES)}")
-    stack = _as_stack(stack)
+    stack = _as_stack(stack, opts.sample)
     layout = resolve_layout(opts.mesh, world.size)
     p, v = layout.pp, opts.chunks
     plan.check_fits(len(stack), p, v, opts.schedule)       # pure: before any collective
@@ -414,7 +421,7 @@ def prepare(stack, world, options: PipelineOptions | None = None, flavour: str =
         p2p_plan.check_ordered(actions_all, v)
     names = [layer.name for layer in stack.layers]
     if opts.split_points:
-        starts = plan.split_at(opts.split_points, names, p * v)
+        starts = plan.split_at(opts.split_points, names, p * v, _module_layers(stack))
     else:
         starts = None
     mesh = world.mesh(layout)

@@ -1,0 +1,164 @@
+"""Pipelines of models that are not nn.Sequential (issue 21): Hugging Face GPT-2 (lm_head tied
+to wte across stages) and Llama (rotary embeddings recomputed in each stage; head tied and
+untied), and a generic embeddings -> ModuleList -> norm -> head model, split by
+hpctrain.models.chain. 20 fp32 steps at pp=2 (balanced by parameter count; and through
+`python -m hpctrain train` at a named module split point), pp=2 x dp=2 with zero3/zero1, and
+zero3 of the same factory, all within rtol 1e-5 of one process. Four launches (1, 2 and 4
+ranks, then the command line at 2). Plus the split itself (exact logits, ties, split points
+by module name) and a model whose forward is not a chain (one error line, exit 2, before
+MPI).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from hpctrain.models.chain import split_model
+from hpctrain.models.gpt import GPT
+from hpctrain.parallel.pipeline import plan
+from hpctrain.parallel.pipeline.strategy import _module_layers
+from tests.fixtures import chain_models, hf_models
+from tests.mpirun import ROOT, mpi_env, run_mpi, run_single
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "pipeline_any_worker.py")
+GPT2 = "tests.fixtures.hf_models:gpt2_factory"
+LLAMA = "tests.fixtures.hf_models:llama_factory"
+LLAMA_TIED = "tests.fixtures.hf_models:llama_tied_factory"
+GENERIC = "tests.fixtures.chain_models:generic_factory"
+NOT_A_CHAIN = "tests.fixtures.chain_models:not_a_chain_factory"
+
+
+def _case(cid, model, strategy="single", mesh=None, flavour=None, ref=None, **pipeline):
+    runtime = {k: v for k, v in (("mesh", mesh), ("dp_flavour", flavour)) if v}
+    return {"id": cid, "ref": ref, "overrides": {
+        "train": {"model": model, "strategy": strategy}, "runtime": runtime,
+        "pipeline": pipeline}}
+
+
+REFS = [_case(m, m) for m in (GPT2, LLAMA, LLAMA_TIED, GENERIC)]
+TWO = [
+    _case("gpt2-pp2", GPT2, "pipeline", "pp=2", ref=GPT2),
+    _case("llama-pp2", LLAMA, "pipeline", "pp=2", ref=LLAMA),
+    _case("llama-tied-pp2-interleaved", LLAMA_TIED, "pipeline", "pp=2", ref=LLAMA_TIED,
+          schedule="interleaved-1f1b", split_points="model.layers.1,model.layers.3,lm_head"),
+    _case("generic-pp2", GENERIC, "pipeline", "pp=2", ref=GENERIC),
+    _case("gpt2-zero3", GPT2, "zero3", ref=GPT2),
+]
+FOUR = [
+    _case("gpt2-pp2-dp2-zero3", GPT2, "pipeline", "pp=2,dp=2", "zero3", ref=GPT2),
+    _case("llama-pp2-dp2-zero1", LLAMA, "pipeline", "pp=2,dp=2", "zero1", ref=LLAMA),
+]
+# The command line itself, with stages starting at a named module: the worker's defaults.
+CLI = {"id": "gpt2-pp2-split-cli", "ref": GPT2, "args": [
+    "-m", "hpctrain", "train", "--model", GPT2, "--strategy", "pipeline", "--mesh", "pp=2",
+    "--set", "pipeline.split_points=transformer.h.1", "--steps", "20",
+    "--global-batch-size", "16", "--optimizer", "adamw", "--lr", "0.003",
+    "--weight-decay", "0.01", "--progress", "off"]}
+
+
+def _run_cli(tmp) -> dict:
+    proc = run_mpi(2, CLI["args"] + ["--out-dir", str(tmp / "cli")], timeout=600)
+    summary = json.loads((tmp / "cli" / "summary.json").read_text())
+    return {"losses": summary["losses"], "param_norm": summary["param_norm"],
+            "log": proc.stdout}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pipeline_any")
+    got = {}
+    for n, cases in ((1, REFS), (2, TWO), (4, FOUR)):
+        cases_path, out = tmp / f"cases{n}.json", tmp / f"out{n}.json"
+        cases_path.write_text(json.dumps(cases))
+        run = run_single if n == 1 else lambda args, **kw: run_mpi(n, args, **kw)
+        run([WORKER, str(out), str(cases_path)], timeout=600)
+        got.update(json.loads(out.read_text()))
+    got[CLI["id"]] = _run_cli(tmp)
+    return got
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("case", TWO + FOUR + [CLI], ids=lambda c: c["id"])
+def test_trains_as_one_process(results, case):
+    got, ref = results[case["id"]], results[case["ref"]]
+    assert len(got["losses"]) == 20
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5, atol=0)
+    np.testing.assert_allclose(got["param_norm"], ref["param_norm"], rtol=1e-5)
+
+
+@pytest.mark.mpi
+def test_split_points_name_modules(results):
+    assert "stages 0:transformer.wte..transformer.h.0 | 1:transformer.h.1..lm_head" \
+        in results[CLI["id"]]["log"]
+
+
+@pytest.mark.parametrize("factory", [hf_models.gpt2_factory, hf_models.llama_factory,
+                                     hf_models.llama_tied_factory, chain_models.generic_factory])
+def test_layers_compute_the_models_logits_exactly(factory):
+    model, data, _ = factory()
+    x = torch.stack([data[i][0] for i in range(4)])
+    stack = split_model(model, x)
+    with torch.no_grad():
+        h = x
+        for layer in stack.layers:
+            h = layer.forward(model, h)
+        assert torch.equal(h, model(x))
+
+
+@pytest.mark.parametrize("build", [hf_models.gpt2_model, hf_models.llama_model])
+def test_sdpa_models_split_exactly_too(build):
+    model, x = build(attention="sdpa"), torch.randint(0, hf_models.VOCAB, (3, hf_models.SEQ_LEN))
+    stack = split_model(model, x)  # checked against model(x) inside
+    with torch.no_grad():
+        h = x
+        for layer in stack.layers:
+            h = layer.forward(model, h)
+        assert torch.equal(h, model(x))
+
+
+def test_ties_are_declared():
+    gpt2, llama, tied = (split_model(f()[0]) for f in (
+        hf_models.gpt2_factory, hf_models.llama_factory, hf_models.llama_tied_factory))
+    assert gpt2.tied == {"lm_head.weight": "transformer.wte.weight"}
+    assert llama.tied == {}
+    assert tied.tied == {"lm_head.weight": "model.embed_tokens.weight"}
+
+
+def test_split_points_accept_module_paths():
+    stack = split_model(hf_models.gpt2_factory()[0])
+    names = [layer.name for layer in stack.layers]
+    assert names[0] == "transformer.wte" and names[-2:] == ["transformer.ln_f", "lm_head"]
+    modules = _module_layers(stack)
+    assert plan.split_at("transformer.h.2", names, 2, modules) == [0, 3]
+    assert plan.split_at(["transformer.h.1", "transformer.ln_f"], names, 3, modules) == [0, 2, 5]
+    with pytest.raises(ValueError, match="neither a layer index"):
+        plan.split_at("transformer.h.9", names, 2, modules)
+
+
+def test_a_forward_that_is_not_a_chain_is_refused():
+    model, data, _ = chain_models.not_a_chain_factory()
+    with pytest.raises(TypeError, match="is not the chain of its layers"):
+        split_model(model, torch.stack([data[0][0], data[1][0]]))
+    # hpctrain's own GPT adds position embeddings in its forward: not a chain of modules.
+    gpt = GPT(vocab=50, d_model=16, heads=2, layers=2, seq_len=8)
+    with pytest.raises(TypeError, match="GPT: running its layers .* one after the other"):
+        split_model(gpt, torch.randint(0, 50, (2, 8)))
+    with pytest.raises(TypeError, match="no nn.ModuleList"):
+        split_model(torch.nn.Bilinear(2, 2, 2))
+
+
+def test_cli_refuses_a_model_that_is_not_a_chain():
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpctrain", "train", "--model", NOT_A_CHAIN,
+         "--strategy", "pipeline", "--steps", "2"],
+        env=mpi_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "SkipLM's forward is not the chain" in lines[0], proc.stderr
+    assert "LayerStack" in lines[0] and "split_points" in lines[0]
