@@ -88,7 +88,9 @@ class TrainSection:
                           "stepped once per optimizer step, also a non-finite step the guard "
                           "skipped (it counts toward train.steps)")
     lr_schedule_options: dict = _f(None, "keyword options of a torch.optim.lr_scheduler "
-                                   "class ([train.lr_schedule_options], e.g. step_size = 10)",
+                                   "class ([train.lr_schedule_options], e.g. step_size = 10; "
+                                   "OneCycleLR's total_steps and max_lr and CosineAnnealingLR's "
+                                   "T_max default to train.steps and train.lr)",
                                    default_factory=dict)
     warmup_steps: int = _f(0, "warmup_cosine: linear warm-up steps from "
                            "warmup_start_factor x lr to lr", min=0)

@@ -79,7 +79,7 @@ make_venv() {
     PIP=("$PY" -m pip --disable-pip-version-check -q)
     log "installing $TORCH_SPEC, numpy, mpi4py and build tools"
     "${PIP[@]}" install "$TORCH_SPEC" numpy mpi4py tqdm pytest "Cython>=3" pkgconfig setuptools wheel \
-        packaging psutil pyyaml cloudpickle matplotlib 2> >(grep -v "is ignored" >&2)
+        packaging psutil pyyaml cloudpickle matplotlib tensorboard 2> >(grep -v "is ignored" >&2)
     # Horovod needs cmake 3.13..3.x: cmake 4 refuses its bundled gloo.
     local cv
     cv=$(cmake --version 2>/dev/null | head -1 | grep -oE '[0-9]+\.[0-9]+' | head -1 || true)

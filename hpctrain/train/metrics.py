@@ -63,20 +63,21 @@ class MetricsCSV:
 
 
 class TensorBoardWriter:
-    """TensorBoard scalars per step under ``log_dir`` (rank 0 only; others and a missing
-    ``tensorboard`` package: no-op, the latter with one warning)."""
+    """TensorBoard scalars per step in out_dir/tensorboard/ (rank 0 only; other ranks and a
+    missing ``tensorboard`` package: no-op, the latter with one warning)."""
 
-    def __init__(self, log_dir: str, enabled: bool):
+    def __init__(self, out_dir: str, enabled: bool):
         self._writer = None
-        if not (enabled and log_dir):
+        if not (enabled and out_dir):
             return
         try:
-            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+            # Imported here: an optional package, and `hpctrain report` loads this module torch-free.
+            from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
             print(f"hpctrain: warning: no TensorBoard events ({exc}); pip install tensorboard, "
                   f"or set train.tensorboard = false", file=sys.stderr, flush=True)
             return
-        self._writer = SummaryWriter(log_dir=log_dir)
+        self._writer = SummaryWriter(log_dir=os.path.join(out_dir, "tensorboard"))
 
     def write(self, step: int, scalars: dict) -> None:
         """Add each scalar of ``scalars`` at ``step`` (None: left out)."""

@@ -16,6 +16,7 @@ import torch
 from torch.optim import lr_scheduler
 
 from hpctrain.config import ConfigError, TrainSection
+from hpctrain.train.strategy import make_optimizer_factory
 
 __all__ = ["Schedule", "WarmupCosineLR", "warmup_cosine_lr", "make_schedule", "check_schedule",
            "BUILTIN_SCHEDULES"]
@@ -23,6 +24,9 @@ __all__ = ["Schedule", "WarmupCosineLR", "warmup_cosine_lr", "make_schedule", "c
 BUILTIN_SCHEDULES = ("constant", "warmup_cosine")
 # Schedulers the config cannot describe: they take callables or other schedulers.
 _NEEDS_CODE = ("LambdaLR", "MultiplicativeLR", "SequentialLR", "ChainedScheduler")
+# Options that default to the run's own numbers when the table leaves them out.
+_RUN_DEFAULTS = {"OneCycleLR": {"total_steps": "steps", "max_lr": "lr"},
+                 "CosineAnnealingLR": {"T_max": "steps"}}
 
 
 def warmup_cosine_lr(step: int, lr: float, warmup_steps: int, total_steps: int,
@@ -113,7 +117,8 @@ def make_schedule(optimizer, t: TrainSection) -> Schedule:
         return Schedule(name, WarmupCosineLR(optimizer, t.warmup_steps, t.steps, t.min_lr,
                                              t.warmup_start_factor))
     cls = _scheduler_class(name)
-    options = dict(t.lr_schedule_options)
+    defaults = {k: getattr(t, field) for k, field in _RUN_DEFAULTS.get(cls.__name__, {}).items()}
+    options = {**defaults, **t.lr_schedule_options}
     try:
         return Schedule(name, cls(optimizer, **options))
     except (TypeError, ValueError, KeyError) as exc:
@@ -123,10 +128,13 @@ def make_schedule(optimizer, t: TrainSection) -> Schedule:
 
 
 def check_schedule(t: TrainSection) -> None:
-    """Build the schedule over a dummy optimizer and step it, before MPI (ConfigError)."""
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=t.lr)
+    """Build the schedule over the configured optimizer of a dummy parameter and step it,
+    before MPI (ConfigError). Run check_optimizer first."""
+    dummy = torch.nn.Parameter(torch.ones(2, 2))
+    optimizer = make_optimizer_factory(t)([dummy])
     schedule = make_schedule(optimizer, t)
     try:
+        dummy.grad = torch.full_like(dummy, 0.5)
         optimizer.step()
         schedule.step(1.0)
     except (TypeError, ValueError, KeyError, ZeroDivisionError) as exc:

@@ -254,8 +254,7 @@ class Trainer:
         progress = Progress(t.steps, main, t.progress, t.log_every, self.built.unit,
                             start=self.start_step)
         csv = MetricsCSV(self.out_dir, main, resume_step=self.start_step)
-        events = TensorBoardWriter(os.path.join(self.out_dir, "tensorboard") if self.out_dir else "",
-                                   main and t.tensorboard)
+        events = TensorBoardWriter(self.out_dir, main and t.tensorboard)
         losses: list[float] = list(self.history)
         ck = self.cfg.checkpoint
         saved = self.start_step
@@ -268,7 +267,7 @@ class Trainer:
             for step in range(self.start_step, t.steps):
                 set_context(step=step + 1)
                 t0 = time.perf_counter()
-                lr = self.par.optimizer.param_groups[0]["lr"]  # this step's, before the schedule steps
+                lr = self.par.optimizer.param_groups[0]["lr"]  # before the schedule steps
                 loss = self._train_step(step)  # the guard stops or skips non-finite steps
                 dt = time.perf_counter() - t0
                 losses.append(loss)

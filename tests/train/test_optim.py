@@ -132,8 +132,18 @@ def test_a_torch_schedule_resumes_from_its_json_state():
         make_schedule(optimizer, TrainSection()).load_state_dict(saved)
 
 
+def test_one_cycle_and_cosine_default_to_the_run_steps_and_lr():
+    t = TrainSection(lr=0.2, steps=10, optimizer="sgd", lr_schedule="OneCycleLR")
+    check_schedule(t)
+    lrs, _, schedule = _lrs(t, 10)
+    assert schedule.scheduler.total_steps == 10 and max(lrs) == pytest.approx(0.2)
+    t = TrainSection(lr=0.2, steps=10, lr_schedule="cosineannealinglr")
+    assert _lrs(t, 10)[2].scheduler.T_max == 10
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(lr_schedule="Nope"), "expected constant, warmup_cosine"),
+    (dict(optimizer="Adagrad", lr_schedule="OneCycleLR"), "momentum"),
     (dict(lr_schedule="StepLR"), "step_size"),
     (dict(lr_schedule="LambdaLR"), "takes functions"),
     (dict(lr_schedule="StepLR", lr_schedule_options={"step_size": 2, "bogus": 1}), "bogus"),
@@ -199,8 +209,7 @@ def test_adagrad_warmup_cosine_zero3_equals_single_and_resumes_anywhere(tmp_path
 
 
 def test_run_name_nests_the_run_and_tensorboard_has_the_scalars(tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
     run_single(["-m", "hpctrain", "train", "--model", "mlp", "--steps", "3", "--progress", "off",
                 "--out-dir", str(tmp_path), "--run-name", "first", "--max-grad-norm", "1.0",
                 "--set", "train.report=false"])
@@ -209,7 +218,7 @@ def test_run_name_nests_the_run_and_tensorboard_has_the_scalars(tmp_path):
         rows = list(csv.DictReader(fh))
     assert len(rows) == 3 and all(float(r["grad_norm"]) > 0 and float(r["peak_rss_mb"]) > 50
                                   for r in rows)
-    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events = accumulator.EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
     tags = events.Tags()["scalars"]
     assert {"loss", "lr", "grad_norm", "peak_rss_mb", "throughput_samples_per_s"} <= set(tags)
