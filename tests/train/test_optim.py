@@ -208,11 +208,30 @@ def test_adagrad_warmup_cosine_zero3_equals_single_and_resumes_anywhere(tmp_path
                                 rel=1e-12, abs=1e-15)
 
 
-def test_run_name_nests_the_run_and_tensorboard_has_the_scalars(tmp_path):
+def _without_schedule_state(path):
+    """Make path a checkpoint as written before schedules were saved (resealed)."""
+    import h5py
+
+    from hpctrain.checkpoint.meta import JSON_ATTRS, seal
+
+    with h5py.File(path, "r+") as f:
+        del f.attrs["lr_schedule"]
+        names = [n for n in json.loads(f.attrs[JSON_ATTRS]) if n != "lr_schedule"]
+        f.attrs[JSON_ATTRS] = json.dumps(names)
+        seal(f)
+
+
+def test_run_name_tensorboard_and_a_checkpoint_without_schedule_state(tmp_path):
     accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
-    run_single(["-m", "hpctrain", "train", "--model", "mlp", "--steps", "3", "--progress", "off",
-                "--out-dir", str(tmp_path), "--run-name", "first", "--max-grad-norm", "1.0",
-                "--set", "train.report=false"])
+    common = ["-m", "hpctrain", "train", "--model", "mlp", "--steps", "3", "--progress", "off",
+              "--out-dir", str(tmp_path), "--max-grad-norm", "1.0", "--set", "train.report=false",
+              "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2"]
+    run_single(common + ["--run-name", "first"])
+    _without_schedule_state(tmp_path / "ck" / "ckpt-000002.h5")
+    run_single(common + ["--run-name", "old", "--resume", str(tmp_path / "ck" / "ckpt-000002.h5")])
+    first, old = (json.loads((tmp_path / n / "summary.json").read_text())["losses"]
+                  for n in ("first", "old"))
+    assert old == first  # the old checkpoint resumes as one of the constant schedule
     run_dir = tmp_path / "first"
     with open(run_dir / "metrics.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
