@@ -12,6 +12,8 @@ parameters, the optimizer state or a checkpoint):
   step count stay as they were); rank 0 logs one line per skipped step. After
   ``train.nonfinite_max_skips`` skipped steps in a row, the next non-finite step stops as
   ``stop`` does. A finite step resets the count.
+  The lr schedule still advances over a skipped step (it counts toward train.steps:
+  train/schedule.py).
 * ``ignore``: step anyway (the behaviour before the guard). A checkpoint of non-finite
   parameters is still never written: that save is left out with a line saying so.
 
