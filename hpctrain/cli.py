@@ -21,7 +21,11 @@ TRAIN_FLAGS = {
     "steps": ("train", "steps", int, "optimizer steps"),
     "global_batch_size": ("train", "global_batch_size", int, "samples per step over all ranks"),
     "lr": ("train", "lr", float, "learning rate"),
-    "optimizer": ("train", "optimizer", str, "sgd or adamw"),
+    "optimizer": ("train", "optimizer", str, "any torch.optim optimizer by name (adamw, sgd, "
+                  "Adagrad, ...; options: --set train.optimizer_options.KEY=VALUE) or "
+                  "package.module:callable"),
+    "lr_schedule": ("train", "lr_schedule", str, "constant, warmup_cosine or a "
+                    "torch.optim.lr_scheduler class (StepLR, ...)"),
     "weight_decay": ("train", "weight_decay", float, "weight decay"),
     "seed": ("train", "seed", int, "seed for weights and data"),
     "precision": ("train", "precision", str, "fp32, bf16 or fp16"),
@@ -32,6 +36,8 @@ TRAIN_FLAGS = {
                   f"steps in a row) or ignore"),
     "summary": ("train", "summary", str, "write a JSON summary here (rank 0)"),
     "out_dir": ("train", "out_dir", str, "directory for metrics.csv"),
+    "run_name": ("train", "run_name", str, "write this run's files to OUT_DIR/NAME ('auto': "
+                 "timestamp and plan name)"),
     "trace": ("train", "trace_dir", str, "write a Chrome/Perfetto timeline of every rank "
               "(DIR/trace.json)"),
     "progress": ("train", "progress", str, "progress bar: auto, on, off"),

@@ -35,7 +35,7 @@ FSDP_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 FSDP_WRAP = ("blocks", "class", "size", "none")
 FSDP_PREFETCH = ("BACKWARD_PRE", "NONE")
 FSDP_DTYPES = ("", "fp32", "bf16", "fp16")
-OPTIMIZERS = ("sgd", "adamw")
+OPTIMIZERS = ("sgd", "adamw")  # the usual two; any torch.optim class is accepted
 PRECISIONS = ("fp32", "bf16", "fp16")
 PROGRESS = ("auto", "on", "off")
 DEVICES = ("auto", "cpu", "cuda")
@@ -70,9 +70,33 @@ class TrainSection:
     steps: int = _f(200, "optimizer steps", min=1)
     global_batch_size: int = _f(32, "samples per optimizer step over all ranks", min=1)
     lr: float = _f(3e-3, "learning rate", min=0.0)
-    optimizer: str = _f("adamw", "optimizer", choices=OPTIMIZERS)
-    weight_decay: float = _f(0.0, "weight decay (decoupled for adamw)", min=0.0)
-    momentum: float = _f(0.0, "SGD momentum", min=0.0, max=1.0)
+    optimizer: str = _f("adamw", "any torch.optim optimizer by name, any case (adamw, sgd, "
+                        "Adagrad, RMSprop, ...), or a factory package.module:callable "
+                        "(params, lr, **optimizer_options) -> Optimizer. zero1-3 and fsdp step "
+                        "it on flat shards: elementwise optimizers are exact there; Adafactor "
+                        "and Muon are refused, LBFGS and SparseAdam everywhere")
+    optimizer_options: dict = _f(None, "keyword options of the optimizer "
+                                 "([train.optimizer_options], e.g. betas = [0.9, 0.95]); they "
+                                 "override weight_decay and momentum; lr is train.lr",
+                                 default_factory=dict)
+    weight_decay: float = _f(0.0, "weight decay (decoupled for adamw), for optimizers that "
+                             "take it", min=0.0)
+    momentum: float = _f(0.0, "momentum, for optimizers that take it (SGD, RMSprop)",
+                         min=0.0, max=1.0)
+    lr_schedule: str = _f("constant", "constant, warmup_cosine, or any "
+                          "torch.optim.lr_scheduler class by name (StepLR, OneCycleLR, ...); "
+                          "stepped once per optimizer step, also a non-finite step the guard "
+                          "skipped (it counts toward train.steps)")
+    lr_schedule_options: dict = _f(None, "keyword options of a torch.optim.lr_scheduler "
+                                   "class ([train.lr_schedule_options], e.g. step_size = 10; "
+                                   "OneCycleLR's total_steps and max_lr and CosineAnnealingLR's "
+                                   "T_max default to train.steps and train.lr)",
+                                   default_factory=dict)
+    warmup_steps: int = _f(0, "warmup_cosine: linear warm-up steps from "
+                           "warmup_start_factor x lr to lr", min=0)
+    warmup_start_factor: float = _f(0.0, "warmup_cosine: the first step's lr as a fraction of "
+                                    "lr", min=0.0, max=1.0)
+    min_lr: float = _f(0.0, "warmup_cosine: the lr the cosine reaches at train.steps", min=0.0)
     seed: int = _f(0, "seed for weights, data order and data generation", min=0)
     precision: str = _f("fp32", "fp32, bf16 autocast, or fp16 autocast with loss scaling",
                         choices=PRECISIONS)
@@ -88,8 +112,13 @@ class TrainSection:
     nonfinite_max_skips: int = _f(3, "nonfinite = skip: stop after this many skipped steps "
                                   "in a row", min=0)
     summary: str = _f("", "write a JSON summary here (rank 0)")
-    out_dir: str = _f("hpctrain-out", "directory for metrics.csv, summary.json and report.png "
-                      "(rank 0)")
+    out_dir: str = _f("hpctrain-out", "directory for metrics.csv, summary.json, report.png "
+                      "and TensorBoard events (rank 0)")
+    run_name: str = _f("", "write this run's files to out_dir/RUN_NAME/ instead of out_dir "
+                       "itself ('auto': a timestamp and the plan name, e.g. 20261124-0712-zero3)")
+    tensorboard: bool = _f(True, "write TensorBoard events (loss, lr, grad_norm, throughput, "
+                           "peak RSS per step) next to metrics.csv, when the tensorboard "
+                           "package imports")
     report: bool = _f(True, "draw out_dir/report.png at the end: loss, throughput, peak "
                       "memory per rank")
     trace_dir: str = _f("", "write a timeline (Chrome trace / Perfetto JSON, one row per rank: "
@@ -259,6 +288,8 @@ class Config:
                 f"train.global_batch_size = {t.global_batch_size} with grad_accum = {t.grad_accum} "
                 f"gives micro-batches of {per_micro} samples, fewer than the {batch_ranks} ranks "
                 f"that split the batch; use --global-batch-size >= {t.grad_accum * batch_ranks}")
+        if t.lr_schedule == "warmup_cosine":
+            self._validate_warmup_cosine()
         c = self.checkpoint
         if (c.every or c.resume == "auto") and not c.dir:
             raise ConfigError(
@@ -318,6 +349,18 @@ class Config:
     def effective_mesh(self, world_size: int) -> str:
         """The mesh in use, as the plan resolves it (e.g. 'pp=2,dp=2,dom=1,tp=1')."""
         return self.plan(world_size).mesh_text()
+
+    def _validate_warmup_cosine(self) -> None:
+        t = self.train
+        if t.warmup_steps > t.steps:
+            raise ConfigError(f"train.warmup_steps = {t.warmup_steps} is more than train.steps "
+                              f"= {t.steps}; use at most {t.steps}")
+        if t.min_lr > t.lr:
+            raise ConfigError(f"train.min_lr = {t.min_lr} is above train.lr = {t.lr}; the "
+                              f"cosine decays from lr to min_lr: lower --set train.min_lr")
+        if t.lr_schedule_options:
+            raise ConfigError("train.lr_schedule_options is set, but warmup_cosine reads "
+                              "train.warmup_steps, warmup_start_factor and min_lr; drop the table")
 
     def _validate_wrap(self, name: str) -> None:
         """The unit policy of [fsdp] or [zero] has what it needs."""

@@ -80,8 +80,9 @@ make_venv() {
     log "installing $TORCH_SPEC, numpy, mpi4py, build tools and the test extras (transformers)"
     # transformers: the tests pipeline Hugging Face GPT-2 and Llama; installed next to the pinned
     # torch, which it does not replace (torch is an optional dependency of transformers).
-    "${PIP[@]}" install "$TORCH_SPEC" numpy mpi4py tqdm pytest transformers "Cython>=3" pkgconfig \
-        setuptools wheel packaging psutil pyyaml cloudpickle matplotlib \
+    # tensorboard: torch's SummaryWriter needs it for the run's event files.
+    "${PIP[@]}" install "$TORCH_SPEC" numpy mpi4py tqdm pytest transformers tensorboard \
+        "Cython>=3" pkgconfig setuptools wheel packaging psutil pyyaml cloudpickle matplotlib \
         2> >(grep -v "is ignored" >&2)
     # Horovod needs cmake 3.13..3.x: cmake 4 refuses its bundled gloo.
     local cv

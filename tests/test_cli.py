@@ -23,7 +23,7 @@ def test_default_single_run_learns(tmp_path):
     assert s["final_loss"] < 0.6 * s["losses"][0]
     assert s["unit"] == "tokens" and s["tokens_or_samples_per_s"] > 0
     rows = (tmp_path / "out" / "metrics.csv").read_text().splitlines()
-    assert rows[0] == "step,loss,lr,units_per_s,elapsed_s" and len(rows) == 61
+    assert rows[0] == "step,loss,lr,units_per_s,elapsed_s,grad_norm,peak_rss_mb" and len(rows) == 61
     assert "launcher=single" in proc.stdout and "done: 60 steps" in proc.stdout
 
 

@@ -30,7 +30,8 @@ def test_round_trip_toml(tmp_path):
 
 @pytest.mark.parametrize("override, words", [
     ({"train": {"steps": 0}}, ["train.steps", ">= 1"]),
-    ({"train": {"optimizer": "lamb"}}, ["train.optimizer", "sgd, adamw"]),
+    ({"train": {"lr_schedule": "warmup_cosine", "warmup_steps": 500}},
+     ["train.warmup_steps = 500", "at most 200"]),
     ({"train": {"strategy": "nope"}}, ["train.strategy", "single"]),
     ({"train": {"lr": "fast"}}, ["train.lr", "a number"]),
     ({"train": {"steps": 2.5}}, ["train.steps", "an integer"]),

@@ -101,14 +101,17 @@ def _after_save(directory: str, final: str, keep: int) -> None:
 
 
 def save_checkpoint(directory: str, step: int, par, world, cfg, sampler, losses, scaler=None,
-                    keep: int = 0) -> str:
-    """Write DIR/ckpt-STEP.h5 (collective over the world); keep the newest keep; return the path."""
+                    keep: int = 0, schedule=None) -> str:
+    """Write DIR/ckpt-STEP.h5 (collective over the world); keep the newest keep; return the path.
+
+    ``schedule``: the lr schedule (train/schedule.py), its state_dict stored as JSON."""
     from hpctrain import __version__
 
     _agree_dir(directory, world.mpi_comm)
     final = manager.checkpoint_path(directory, step)
     meta = {"sampler_state": sampler.state_dict(),
             "grad_scaler": scaler.state_dict() if scaler is not None else {},
+            "lr_schedule": schedule.state_dict() if schedule is not None else {},
             **par.state_meta()}
     attrs = {
         "format": FORMAT, "step": np.int64(step), "config_toml": cfg.to_toml(),
@@ -150,8 +153,11 @@ def _restore_json(reader: Reader, key: str, load) -> None:
                               f"older checkpoint") from None
 
 
-def load_checkpoint(path: str, par, world, sampler, scaler=None) -> tuple[int, list[float]]:
-    """Restore everything saved by save_checkpoint; return (step, losses). Collective."""
+def load_checkpoint(path: str, par, world, sampler, scaler=None,
+                    schedule=None) -> tuple[int, list[float]]:
+    """Restore everything saved by save_checkpoint; return (step, losses). Collective.
+
+    A checkpoint written before schedules were saved loads as one of the constant schedule."""
     comm = world.mpi_comm
     with _open_everywhere(path, comm) as reader:
         if not reader.sealed and world.rank == 0:
@@ -172,6 +178,11 @@ def load_checkpoint(path: str, par, world, sampler, scaler=None) -> tuple[int, l
         _restore_json(reader, "sampler_state", sampler.load_state_dict)
         if scaler is not None:
             _restore_json(reader, "grad_scaler", lambda s: s and scaler.load_state_dict(s))
+        if schedule is not None:
+            if "lr_schedule" in reader.attrs:
+                _restore_json(reader, "lr_schedule", schedule.load_state_dict)
+            else:
+                schedule.load_state_dict({"name": "constant", "steps_done": int(reader.attrs["step"])})
         return int(reader.attrs["step"]), [float(x) for x in hist]
 
 

@@ -8,7 +8,8 @@ import os
 import resource
 import sys
 
-__all__ = ["MetricsCSV", "SUMMARY_NAME", "gather_peak_rss_mb", "peak_rss_mb", "write_summary"]
+__all__ = ["MetricsCSV", "TensorBoardWriter", "SUMMARY_NAME", "gather_peak_rss_mb", "peak_rss_mb",
+           "write_summary"]
 
 SUMMARY_NAME = "summary.json"  # the copy of the summary in out_dir, read by `hpctrain report`
 
@@ -21,7 +22,10 @@ class MetricsCSV:
     row per step, none twice.
     """
 
-    FIELDS = ("step", "loss", "lr", "units_per_s", "elapsed_s")
+    # grad_norm: the global norm before clipping, when clipping or the non-finite guard
+    # computed it (empty with train.nonfinite = ignore and no clipping); peak_rss_mb: rank 0's.
+    FIELDS = ("step", "loss", "lr", "units_per_s", "elapsed_s", "grad_norm", "peak_rss_mb")
+    FIRST_FIELDS = FIELDS[:5]  # the layout before grad_norm and peak_rss_mb (still read)
 
     def __init__(self, out_dir: str, enabled: bool, resume_step: int = 0):
         self._fh = None
@@ -42,19 +46,51 @@ class MetricsCSV:
                 rows = list(csv.reader(fh))
         except FileNotFoundError:
             return []
-        if not rows or tuple(rows[0]) != self.FIELDS:
+        if not rows or tuple(rows[0]) not in (self.FIELDS, self.FIRST_FIELDS):
             return []
-        return [r for r in rows[1:] if r and r[0].isdigit() and int(r[0]) <= step]
+        pad = [""] * (len(self.FIELDS) - len(rows[0]))
+        return [r + pad for r in rows[1:] if r and r[0].isdigit() and int(r[0]) <= step]
 
     def write(self, **row) -> None:
         if self._fh is not None:
-            self._writer.writerow([row[k] for k in self.FIELDS])
+            self._writer.writerow([row.get(k, "") for k in self.FIELDS])
             self._fh.flush()  # rows are visible while the job runs (tail -f, monitors)
 
     def close(self) -> None:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+
+
+class TensorBoardWriter:
+    """TensorBoard scalars per step in out_dir/tensorboard/ (rank 0 only; other ranks and a
+    missing ``tensorboard`` package: no-op, the latter with one warning)."""
+
+    def __init__(self, out_dir: str, enabled: bool):
+        self._writer = None
+        if not (enabled and out_dir):
+            return
+        try:
+            # Imported here: an optional package, and `hpctrain report` loads this module torch-free.
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            print(f"hpctrain: warning: no TensorBoard events ({exc}); pip install tensorboard, "
+                  f"or set train.tensorboard = false", file=sys.stderr, flush=True)
+            return
+        self._writer = SummaryWriter(log_dir=os.path.join(out_dir, "tensorboard"))
+
+    def write(self, step: int, scalars: dict) -> None:
+        """Add each scalar of ``scalars`` at ``step`` (None: left out)."""
+        if self._writer is None:
+            return
+        for tag, value in scalars.items():
+            if value is not None:
+                self._writer.add_scalar(tag, value, step)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
 
 
 def peak_rss_mb() -> float:

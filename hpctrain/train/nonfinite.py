@@ -12,6 +12,8 @@ parameters, the optimizer state or a checkpoint):
   step count stay as they were); rank 0 logs one line per skipped step. After
   ``train.nonfinite_max_skips`` skipped steps in a row, the next non-finite step stops as
   ``stop`` does. A finite step resets the count.
+  The lr schedule still advances over a skipped step (it counts toward train.steps:
+  train/schedule.py).
 * ``ignore``: step anyway (the behaviour before the guard). A checkpoint of non-finite
   parameters is still never written: that save is left out with a line saying so.
 
@@ -75,12 +77,15 @@ class NonFiniteGuard:
         self.loss: float | None = None
         self.in_a_row = 0   # skipped steps in a row (skip mode)
         self.skipped = 0    # skipped steps in this run
+        self.norm: float | None = None  # this step's global gradient norm, if one was computed
 
     def check(self, par, scaler=None, norm: float | None = None) -> bool:
         """True: let the optimizer step. False: skip it (the caller drops the gradients and,
         with a scaler, updates it). Raises NonFiniteError to stop. Collective: every rank
         calls it and gets the same answer. ``norm``: the global gradient norm if already
-        computed (clipping), else it is computed here."""
+        computed (clipping), else it is computed here. The norm is kept in ``self.norm``
+        for the step's metrics (None when neither clipping nor the guard computed one)."""
+        self.norm = norm
         if self.mode == "ignore":
             return True
         source = None
@@ -88,7 +93,7 @@ class NonFiniteGuard:
             source = f"the loss is {self.loss}"
         else:
             if norm is None:
-                norm = par._grad_norm()
+                norm = self.norm = par._grad_norm()
             if not math.isfinite(norm):
                 what = f"grad norm {norm}"
                 if scaler is not None:

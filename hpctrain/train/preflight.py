@@ -18,6 +18,8 @@ from hpctrain.runtime.env import env_flag
 from hpctrain.runtime.launcher import LaunchInfo
 from hpctrain.runtime.malloc import mmap_threshold_kb
 from hpctrain.runtime.world import ranks_per_node_override
+from hpctrain.train.schedule import check_schedule
+from hpctrain.train.strategy import check_optimizer
 
 __all__ = ["check_writable_dir", "check_environment", "check_dataset", "preflight"]
 
@@ -92,3 +94,5 @@ def preflight(cfg: Config, env: Mapping[str, str], launch: LaunchInfo) -> None:
     if data_dir and os.path.exists(data_dir) and not os.path.isdir(data_dir):
         raise UsageError(f"HPCTRAIN_DATA_DIR={data_dir!r} is a file, not a directory")
     check_environment(env, cfg, launch)
+    check_optimizer(t, cfg.plan(launch.size).flavour)
+    check_schedule(t)

@@ -100,7 +100,7 @@ def _read_metrics(out_dir: str) -> list[dict]:
                           f"metrics.csv there unless --out-dir \"\")")
     with open(path, newline="") as fh:
         reader = csv.DictReader(fh)
-        if tuple(reader.fieldnames or ()) != MetricsCSV.FIELDS:
+        if tuple(reader.fieldnames or ()) not in (MetricsCSV.FIELDS, MetricsCSV.FIRST_FIELDS):
             raise ReportError(f"{path}: columns {reader.fieldnames}, expected "
                               f"{','.join(MetricsCSV.FIELDS)}; not a metrics file of hpctrain")
         rows = list(reader)

@@ -18,15 +18,17 @@ from hpctrain.runtime.watchdog import start_watchdog
 from hpctrain.data.sampler import GlobalBatchSampler, collate
 from hpctrain.models.registry import BuiltModel, build, build_deferred, build_layers
 from hpctrain.parallel.orchestrator import defer_init, has_deferred, parallelize
-from hpctrain.train.metrics import SUMMARY_NAME, MetricsCSV, gather_peak_rss_mb, write_summary
+from hpctrain.train.metrics import (SUMMARY_NAME, MetricsCSV, TensorBoardWriter,
+                                    gather_peak_rss_mb, peak_rss_mb, write_summary)
 from hpctrain.train.nonfinite import NonFiniteError, NonFiniteGuard
 from hpctrain.train.precision import Precision
 from hpctrain.train.preemption import Preemption, sigterm_grace_s
 from hpctrain.train.progress import Progress
 from hpctrain.train.report import report_after_training
+from hpctrain.train.schedule import make_schedule
 from hpctrain.train.strategy import make_optimizer_factory, plan_options
 
-__all__ = ["Trainer", "build_model", "NonFiniteError"]
+__all__ = ["Trainer", "build_model", "run_dir", "NonFiniteError"]
 
 
 def build_model(cfg: Config, world_size: int | None = None) -> BuiltModel:
@@ -54,6 +56,19 @@ def build_model(cfg: Config, world_size: int | None = None) -> BuiltModel:
                 defer_init(built.model, stack)
             return built
     return build(t.model, t.seed, **t.model_options)
+
+
+def run_dir(cfg: Config, plan_name: str, mpi_comm) -> str:
+    """Where this run's metrics, summary, report and TensorBoard events go: train.out_dir,
+    or out_dir/run_name when a name is given ('auto': rank 0's timestamp and the plan name,
+    the same on every rank). Collective only for 'auto'."""
+    t = cfg.train
+    if not t.out_dir or not t.run_name:
+        return t.out_dir
+    name = t.run_name
+    if name == "auto":
+        name = mpi_comm.bcast(time.strftime("%Y%m%d-%H%M%S-") + plan_name, root=0)
+    return os.path.join(t.out_dir, name)
 
 
 def _keeps_a_part(plan, cfg: Config) -> bool:
@@ -87,10 +102,11 @@ class Trainer:
         RECORDER.enabled = cfg.runtime.flight_recorder
         if cfg.train.trace_dir:  # --trace: this rank's events, merged at the end of fit()
             TIMELINE.enable(cfg.train.trace_dir, world.rank)
-        self.watchdog = start_watchdog(cfg.runtime.collective_timeout_s, cfg.train.out_dir,
-                                       world.mpi_comm)
         cfg.validate(world.size)
         self.plan = cfg.plan(world.size)
+        self.out_dir = run_dir(cfg, self.plan.name, world.mpi_comm)
+        self.watchdog = start_watchdog(cfg.runtime.collective_timeout_s, self.out_dir,
+                                       world.mpi_comm)
         t = cfg.train
         self.precision = Precision(t.precision, world.device)
         options = plan_options(cfg, self.plan.flavour)
@@ -118,6 +134,7 @@ class Trainer:
                   f"a factory's nn.Module exists whole once it is returned", flush=True)
         self.par = parallelize(self.plan, self.built.model, make_optimizer_factory(t), world,
                                options, activation_checkpointing=t.activation_checkpointing)
+        self.schedule = make_schedule(self.par.optimizer, t)
         data_rank, data_ranks = self.par.data_shard(world)
         self.sampler = GlobalBatchSampler(len(self.built.dataset), t.global_batch_size, t.seed,
                                           data_rank, data_ranks, t.grad_accum)
@@ -135,7 +152,7 @@ class Trainer:
         resume = checkpoint.resolve_resume(c.resume, c.dir, world.mpi_comm)
         if resume:
             self.start_step, self.history = checkpoint.load_checkpoint(
-                resume, self.par, world, self.sampler, self.precision.scaler)
+                resume, self.par, world, self.sampler, self.precision.scaler, self.schedule)
             if world.is_main:
                 print(f"hpctrain: resumed from {resume} at step {self.start_step}", flush=True)
 
@@ -161,7 +178,8 @@ class Trainer:
         set_context(phase="checkpoint")
         t0 = time.perf_counter()
         path = checkpoint.save_checkpoint(c.dir, step, self.par, self.world, self.cfg,
-                                          self.sampler, losses, self.precision.scaler, c.keep)
+                                          self.sampler, losses, self.precision.scaler, c.keep,
+                                          self.schedule)
         self._save_s = time.perf_counter() - t0
         if self.world.is_main:
             print(f"hpctrain: checkpoint written: {path}", flush=True)
@@ -221,6 +239,7 @@ class Trainer:
         self.guard.step, self.guard.loss = step + 1, loss
         set_context(phase="optimizer")
         self.par.step(self.precision.scaler, self.cfg.train.max_grad_norm, guard=self.guard)
+        self.schedule.step(loss)  # also after a skipped step: it counts toward train.steps
         return loss
 
     def fit(self) -> dict:
@@ -234,7 +253,8 @@ class Trainer:
         units_per_step = t.global_batch_size * self.built.units_per_sample
         progress = Progress(t.steps, main, t.progress, t.log_every, self.built.unit,
                             start=self.start_step)
-        csv = MetricsCSV(t.out_dir, main, resume_step=self.start_step)
+        csv = MetricsCSV(self.out_dir, main, resume_step=self.start_step)
+        events = TensorBoardWriter(self.out_dir, main and t.tensorboard)
         losses: list[float] = list(self.history)
         ck = self.cfg.checkpoint
         saved = self.start_step
@@ -247,13 +267,14 @@ class Trainer:
             for step in range(self.start_step, t.steps):
                 set_context(step=step + 1)
                 t0 = time.perf_counter()
+                lr = self.par.optimizer.param_groups[0]["lr"]  # before the schedule steps
                 loss = self._train_step(step)  # the guard stops or skips non-finite steps
                 dt = time.perf_counter() - t0
                 losses.append(loss)
-                lr = self.par.optimizer.param_groups[0]["lr"]
                 progress.update(step, loss, units_per_step / dt)
-                csv.write(step=step + 1, loss=f"{loss:.8g}", lr=lr, units_per_s=f"{units_per_step / dt:.6g}",
-                          elapsed_s=f"{time.perf_counter() - start:.4f}")
+                if main:
+                    self._log_step(csv, events, step + 1, loss, lr, units_per_step / dt,
+                                   time.perf_counter() - start)
                 self.sampler.step = step + 1
                 if ck.dir and ck.every and (step + 1) % ck.every == 0:
                     self.save(step + 1, losses)
@@ -274,6 +295,7 @@ class Trainer:
                 preempt.restore()
             progress.close()
             csv.close()
+            events.close()
         elapsed = time.perf_counter() - start
         if t.trace_dir:
             world.host.barrier()  # every rank's file is written
@@ -287,11 +309,23 @@ class Trainer:
                   f"peak RSS {summary['peak_rss_mb']:.0f} MiB/rank", flush=True)
             if t.summary:
                 write_summary(t.summary, summary)
-            if t.out_dir:  # next to metrics.csv: `hpctrain report` redraws from these files
-                write_summary(os.path.join(t.out_dir, SUMMARY_NAME), summary)
+            if self.out_dir:  # next to metrics.csv: `hpctrain report` redraws from these files
+                write_summary(os.path.join(self.out_dir, SUMMARY_NAME), summary)
                 if t.report:
-                    report_after_training(t.out_dir)  # a failed picture is only a warning
+                    report_after_training(self.out_dir)  # a failed picture is only a warning
         return summary
+
+    def _log_step(self, csv, events, step: int, loss: float, lr: float, units_per_s: float,
+                  elapsed_s: float) -> None:
+        """One row of metrics.csv and the step's TensorBoard scalars (rank 0). grad_norm
+        comes from clipping or the non-finite guard: no communication of its own."""
+        norm, rss = self.guard.norm, peak_rss_mb()
+        csv.write(step=step, loss=f"{loss:.8g}", lr=lr, units_per_s=f"{units_per_s:.6g}",
+                  elapsed_s=f"{elapsed_s:.4f}", grad_norm="" if norm is None else f"{norm:.8g}",
+                  peak_rss_mb=f"{rss:.1f}")
+        events.write(step, {"loss": loss, "lr": lr, "grad_norm": norm,
+                            f"throughput_{self.built.unit}_per_s": units_per_s,
+                            "peak_rss_mb": rss})
 
     def _nothing_to_train(self) -> dict:
         """The resumed checkpoint is already at or past train.steps: report it, train nothing."""

@@ -14,7 +14,7 @@ def _write(out, steps, resume=0, tag="a"):
 def test_resume_appends_after_the_checkpoint_step(tmp_path):
     _write(tmp_path, range(1, 8))                      # ran to 7, checkpoint at 5
     rows = _write(tmp_path, range(6, 11), resume=5, tag="b")
-    assert rows[0] == "step,loss,lr,units_per_s,elapsed_s"
+    assert rows[0] == "step,loss,lr,units_per_s,elapsed_s,grad_norm,peak_rss_mb"
     assert [r.split(",")[:2] for r in rows[1:]] == \
         [[str(s), f"a{s}"] for s in range(1, 6)] + [[str(s), f"b{s}"] for s in range(6, 11)]
 

@@ -194,7 +194,7 @@ def test_report_switched_off_still_leaves_the_summary(tmp_path):
     proc = run_single(["-m", "hpctrain", "train", "--steps", "2", "--progress", "off",
                        "--model", "mlp", "--set", "train.report=false",
                        "--out-dir", str(tmp_path / "out")])
-    assert sorted(os.listdir(tmp_path / "out")) == ["metrics.csv", SUMMARY_NAME]
+    assert sorted(os.listdir(tmp_path / "out")) == ["metrics.csv", SUMMARY_NAME, "tensorboard"]
     assert "hpctrain: report" not in proc.stdout
 
 
