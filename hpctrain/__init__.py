@@ -8,14 +8,15 @@ Python API for users who keep their own loop::
     loss = loss_fn(par.model(x), y) * (len(x) / global_batch)   # this rank's share
     par.backward(loss); par.step()
 
-or the whole loop: ``hpctrain.Trainer(hpctrain.load_config("run.toml")).fit()``.
+or the whole loop: ``hpctrain.Trainer(strategy="zero3", steps=100).fit(model, loader, loss_fn)``
+(train/api.py), or from a config: ``hpctrain.Trainer(hpctrain.load_config("run.toml")).fit()``.
 """
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "init", "parallelize", "load_config", "Config", "Trainer"]
+__all__ = ["__version__", "init", "parallelize", "load_config", "Config", "Trainer", "Callback"]
 
 
 def init(ranks_per_node: int = 0, device: str = "auto"):
@@ -59,8 +60,8 @@ def __getattr__(name):
         from hpctrain import config
 
         return getattr(config, name)
-    if name == "Trainer":
-        from hpctrain.train.trainer import Trainer
+    if name in ("Trainer", "Callback"):
+        from hpctrain.train import api
 
-        return Trainer
+        return getattr(api, name)
     raise AttributeError(f"module 'hpctrain' has no attribute {name!r}")

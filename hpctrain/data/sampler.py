@@ -3,11 +3,11 @@
 import operator
 
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 from .synthetic import TensorPairDataset
 
-__all__ = ["GlobalBatchSampler", "collate"]
+__all__ = ["GlobalBatchSampler", "CollatedDataset", "collate"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -121,6 +121,8 @@ def collate(dataset, indices):
         return dataset.inputs[indices], dataset.targets[indices]
     if isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2:
         return dataset.tensors[0][indices], dataset.tensors[1][indices]
+    if isinstance(dataset, CollatedDataset) and indices.numel():
+        return dataset.collate_indices(indices.tolist())
     if indices.numel() == 0:
         # Shapes and dtypes come from the first item so empty ranks still match the others.
         x0, y0 = (torch.as_tensor(v) for v in dataset[0])
@@ -129,3 +131,28 @@ def collate(dataset, indices):
     items = [dataset[i] for i in indices.tolist()]
     return (torch.stack([torch.as_tensor(x) for x, _ in items]),
             torch.stack([torch.as_tensor(y) for _, y in items]))
+
+
+class CollatedDataset(Dataset):
+    """A map-style dataset with its DataLoader's ``collate_fn`` (hpctrain.Trainer.fit): a
+    rank's part of a batch is collated by it, and item i is the one-sample batch's row, so
+    an item is an (input, target) pair whatever the dataset's own items are."""
+
+    def __init__(self, dataset, collate_fn):
+        self.dataset, self.collate_fn = dataset, collate_fn
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def collate_indices(self, indices):
+        batch = self.collate_fn([self.dataset[i] for i in indices])
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2
+                and all(isinstance(t, torch.Tensor) for t in batch)):
+            raise TypeError(f"the DataLoader's collate_fn returned a {type(batch).__name__}; "
+                            f"hpctrain trains on (input, target) tensor pairs: make collate_fn "
+                            f"return (inputs, targets)")
+        return batch[0], batch[1]
+
+    def __getitem__(self, i):
+        x, y = self.collate_indices([i])
+        return x[0], y[0]

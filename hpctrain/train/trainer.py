@@ -89,8 +89,13 @@ class Trainer:
     single-process mean gradient.
     """
 
-    def __init__(self, cfg: Config, world=None, built: BuiltModel | None = None):
+    def __init__(self, cfg: Config, world=None, built: BuiltModel | None = None,
+                 callbacks=(), owner=None):
         self.cfg = cfg
+        # hpctrain.Trainer's callbacks (train/api.py), called with ``owner`` (the public
+        # Trainer, whose should_stop ends training after a step)
+        self.callbacks, self.owner = list(callbacks), owner if owner is not None else self
+        self.should_stop = False
         if world is None:
             from hpctrain.runtime.world import init_world
 
@@ -183,6 +188,8 @@ class Trainer:
         self._save_s = time.perf_counter() - t0
         if self.world.is_main:
             print(f"hpctrain: checkpoint written: {path}", flush=True)
+        for cb in self.callbacks:
+            cb.on_checkpoint(self.owner, step, path)
         return path
 
     def _save_estimate_s(self) -> float:
@@ -276,15 +283,22 @@ class Trainer:
                     self._log_step(csv, events, step + 1, loss, lr, units_per_step / dt,
                                    time.perf_counter() - start)
                 self.sampler.step = step + 1
+                stop = self._callbacks_stop(step + 1, loss, lr, units_per_step / dt)
                 if ck.dir and ck.every and (step + 1) % ck.every == 0:
                     self.save(step + 1, losses)
                     saved = step + 1
+                if stop:
+                    if main:
+                        print(f"hpctrain: stopped by a callback after step {step + 1}",
+                              flush=True)
+                    break
                 if preempt is not None and step + 1 < t.steps and preempt.should_stop(world.host):
                     # rank 0 requeues the SLURM job; every rank raises Preempted (exit 75)
                     self._stop_on_signal(step + 1, saved, losses, preempt)
             set_context(step=None)
-            if ck.dir and saved != t.steps:
-                self.save(t.steps, losses)
+            last = self.start_step + len(losses) - len(self.history)
+            if ck.dir and saved != last:
+                self.save(last, losses)
             set_context(phase=None)
         finally:
             if TIMELINE.enabled:  # this rank's file, also when a rank fails (its last events)
@@ -302,9 +316,10 @@ class Trainer:
             if main:
                 print(f"hpctrain: timeline written: {merge_timeline(t.trace_dir, world.size)} "
                       f"(chrome://tracing or ui.perfetto.dev)", flush=True)
-        summary = self._summary(losses, t.steps - self.start_step, elapsed)
+        trained = len(losses) - len(self.history)  # fewer than asked when a callback stopped
+        summary = self._summary(losses, trained, elapsed)
         if main:
-            print(f"done: {t.steps} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+            print(f"done: {self.start_step + trained} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
                   f"{summary['tokens_or_samples_per_s']:,.0f} {self.built.unit}/s, "
                   f"peak RSS {summary['peak_rss_mb']:.0f} MiB/rank", flush=True)
             if t.summary:
@@ -326,6 +341,18 @@ class Trainer:
         events.write(step, {"loss": loss, "lr": lr, "grad_norm": norm,
                             f"throughput_{self.built.unit}_per_s": units_per_s,
                             "peak_rss_mb": rss})
+
+    def _callbacks_stop(self, step: int, loss: float, lr: float, rate: float) -> bool:
+        """Call on_step_end of every callback; True when one asked to stop. The ranks agree
+        (one scalar reduction, only when there are callbacks): a callback that decides from
+        anything but the reduced metrics must not leave ranks in different steps."""
+        if not self.callbacks:
+            return False
+        metrics = {"loss": loss, "lr": lr, "units_per_s": rate, "grad_norm": self.guard.norm}
+        for cb in self.callbacks:
+            cb.on_step_end(self.owner, step, metrics)
+        asked = bool(getattr(self.owner, "should_stop", False) or self.should_stop)
+        return self.world.host.allreduce_scalars([float(asked)], op="max")[0] > 0
 
     def _nothing_to_train(self) -> dict:
         """The resumed checkpoint is already at or past train.steps: report it, train nothing."""

@@ -1,0 +1,174 @@
+"""``hpctrain.Trainer``: the Python entry for people who bring their own model and data.
+
+Lightning users write ``Trainer(strategy=...).fit(model, dataloader)``; hpctrain takes the
+same shape, over its plans and with its guarantee (the same trajectory as one process)::
+
+    trainer = hpctrain.Trainer(strategy="zero3", steps=200, lr=1e-3, global_batch_size=64)
+    summary = trainer.fit(model, DataLoader(dataset, batch_size=64, collate_fn=...), loss_fn)
+
+or, as before, the whole run from a config: ``hpctrain.Trainer(load_config("run.toml")).fit()``.
+
+What a DataLoader means here: its dataset (map-style) and its ``collate_fn`` are used; its
+``batch_size`` is the GLOBAL batch (what one process would train on per step) unless
+``global_batch_size`` is given; the order of samples comes from the run's seed, and each
+data-parallel rank collates only its part of every global batch, so the losses do not
+depend on the world size. Iterable datasets cannot be split that way and are refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from hpctrain.config import Config, ConfigError, parse_assignment
+
+__all__ = ["Trainer", "Callback"]
+
+# keyword -> dotted config key (the common ones; anything else through ``set``)
+_KEYS = {
+    "strategy": "train.strategy", "steps": "train.steps", "lr": "train.lr",
+    "optimizer": "train.optimizer", "weight_decay": "train.weight_decay",
+    "momentum": "train.momentum", "seed": "train.seed", "precision": "train.precision",
+    "grad_accum": "train.grad_accum", "global_batch_size": "train.global_batch_size",
+    "max_grad_norm": "train.max_grad_norm", "out_dir": "train.out_dir",
+    "progress": "train.progress", "log_every": "train.log_every",
+    "activation_checkpointing": "train.activation_checkpointing",
+    "mesh": "runtime.mesh", "dp_flavour": "runtime.dp_flavour",
+    "checkpoint_dir": "checkpoint.dir", "checkpoint_every": "checkpoint.every",
+    "resume": "checkpoint.resume",
+}
+
+
+class Callback:
+    """Hooks called on every rank, with metrics already reduced over the ranks (so every
+    rank sees the same numbers and decides alike). Override what you need.
+
+    ``trainer.should_stop = True`` from a hook ends training after that step (early
+    stopping); the ranks agree on it before the next step."""
+
+    def on_step_end(self, trainer, step: int, metrics: dict) -> None:
+        """After optimizer step ``step`` (1-based): metrics has loss, lr (the step's),
+        units_per_s and grad_norm (None when nothing computed it)."""
+
+    def on_checkpoint(self, trainer, step: int, path: str) -> None:
+        """After the checkpoint of step ``step`` was written to ``path``."""
+
+    def on_fit_end(self, trainer, summary: dict) -> None:
+        """After the last step (and its checkpoint); ``summary`` is what fit() returns."""
+
+
+def _config(options: dict, settings) -> Config:
+    """A Config from keyword options and ``set`` ("section.key=value" strings or a dict of
+    dotted keys); ConfigError naming a key it does not know."""
+    cfg = Config()
+    items = dict(settings) if isinstance(settings, dict) else {}
+    texts = [] if isinstance(settings, dict) else list(settings or ())
+    for key, value in options.items():
+        if key not in _KEYS:
+            raise ConfigError(f"Trainer({key}=...): unknown option; known: "
+                              f"{', '.join(sorted(_KEYS))} (others: set={{'section.key': "
+                              f"value}})")
+        items[_KEYS[key]] = value
+    for text in texts:
+        items.update(_flatten(parse_assignment(text)))
+    for dotted, value in items.items():
+        section, _, key = dotted.partition(".")
+        table = getattr(cfg, section, None)
+        if table is None or not key:
+            raise ConfigError(f"Trainer: {dotted!r} is not a config key (section.key)")
+        head, _, rest = key.partition(".")
+        names = {f.name for f in fields(table)}
+        if head not in names:
+            raise ConfigError(f"Trainer: unknown key {section}.{head}; valid keys: "
+                              f"{', '.join(sorted(names))}")
+        if rest:  # a table entry: train.model_options.layers
+            getattr(table, head)[rest] = value
+        else:
+            setattr(table, head, value)
+    return cfg
+
+
+def _flatten(mapping: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in mapping.items():
+        if isinstance(v, dict) and not prefix:
+            out.update(_flatten(v, k + "."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+class Trainer:
+    """See the module docstring. ``cfg``: a Config (the CLI's path); or keyword options
+    (``strategy``, ``steps``, ``lr``, ``mesh``, ``dp_flavour``, ... and ``set`` for any
+    other config key). ``callbacks``: Callback objects."""
+
+    def __init__(self, cfg: Config | None = None, world=None, built=None, *, callbacks=(),
+                 epochs: int | None = None, set=None, **options):  # noqa: A002 - Lightning's word
+        if cfg is not None and (options or set):
+            raise ConfigError("Trainer: give a Config or keyword options, not both")
+        self.cfg = cfg if cfg is not None else _config(options, set)
+        self.world, self.callbacks, self.epochs = world, list(callbacks), epochs
+        self.should_stop = False
+        self.engine = None
+        if built is not None or cfg is not None:
+            self._built = built
+        else:
+            self._built = None
+
+    def fit(self, model=None, train_dataloaders=None, val_dataloaders=None, loss_fn=None):
+        """Train; return the run's summary (losses, throughput, ...). Collective.
+
+        With no model: the config's model and data set (the CLI's run). With a model: a
+        torch.nn.Module (or a models.layers.LayerStack), a DataLoader of (input, target)
+        batches over a map-style dataset, and ``loss_fn(output, target) -> mean loss``."""
+        from hpctrain.train.trainer import Trainer as Engine
+
+        if val_dataloaders is not None:
+            raise NotImplementedError("Trainer.fit(val_dataloaders=...): evaluation during fit "
+                                      "is not implemented yet; call fit without it")
+        built = self._built
+        if model is not None:
+            built = self._user_model(model, train_dataloaders, loss_fn)
+        elif train_dataloaders is not None or loss_fn is not None:
+            raise ConfigError("Trainer.fit: data or a loss without a model; pass the model too")
+        self.engine = Engine(self.cfg, self.world, built, callbacks=self.callbacks, owner=self)
+        self.world = self.engine.world
+        summary = self.engine.fit()
+        for cb in self.callbacks:
+            cb.on_fit_end(self, summary)
+        return summary
+
+    def _user_model(self, model, loader, loss_fn):
+        """BuiltModel of a user's model, DataLoader and loss (the global batch, the step
+        count for ``epochs``); ConfigError for what cannot train the same as one process."""
+        from torch.utils.data import DataLoader, IterableDataset
+
+        from hpctrain.data.sampler import CollatedDataset
+        from hpctrain.models.registry import BuiltModel, detect_unit
+
+        if not isinstance(loader, DataLoader):
+            raise ConfigError(f"Trainer.fit(model, train_dataloaders): expected a torch "
+                              f"DataLoader, got {type(loader).__name__}")
+        if isinstance(loader.dataset, IterableDataset):
+            raise ConfigError("Trainer.fit: an IterableDataset cannot be split into the same "
+                              "global batches at every world size; use a map-style Dataset")
+        if not callable(loss_fn):
+            raise ConfigError("Trainer.fit: loss_fn(output, target) -> mean loss is required")
+        t = self.cfg.train
+        if "train.global_batch_size" not in self._given() and loader.batch_size:
+            t.global_batch_size = loader.batch_size  # the DataLoader's batch is the global one
+        dataset = CollatedDataset(loader.dataset, loader.collate_fn)
+        if self.epochs is not None:
+            t.steps = max(1, self.epochs * len(dataset) // t.global_batch_size)
+        t.model = f"{type(model).__module__}.{type(model).__name__}"
+        unit, per_sample = detect_unit(dataset)
+        return BuiltModel(model, dataset, loss_fn, t.model, unit, per_sample)
+
+    def _given(self) -> set:
+        """Dotted keys that differ from the defaults (what the user set)."""
+        default, out = Config(), set()
+        for section in ("train", "runtime", "checkpoint"):
+            a, b = getattr(self.cfg, section), getattr(default, section)
+            out |= {f"{section}.{f.name}" for f in fields(a)
+                    if getattr(a, f.name) != getattr(b, f.name)}
+        return out

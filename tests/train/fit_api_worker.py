@@ -1,0 +1,90 @@
+"""hpctrain.Trainer(...).fit(model, DataLoader, loss_fn) under mpirun (tests/train/test_fit_api.py).
+
+``python fit_api_worker.py OUT_JSON STRATEGY [MESH FLAVOUR]``: a user model (dict items, a
+custom collate_fn, uneven sizes) trained 12 steps; a callback records every step's metrics
+and one run stops itself early. Rank 0 writes what it saw.
+"""
+
+import json
+import sys
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import hpctrain
+
+
+class Pairs(Dataset):
+    """Items are dicts (as many real data sets have); the collate_fn makes (x, y) tensors."""
+
+    def __init__(self, n=96):
+        g = torch.Generator().manual_seed(3)
+        self.x = torch.randn(n, 7, generator=g)
+        self.y = (self.x @ torch.randn(7, 3, generator=g)).tanh()
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"features": self.x[i], "label": self.y[i]}
+
+
+def collate(items):
+    return (torch.stack([it["features"] for it in items]),
+            torch.stack([it["label"] for it in items]))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(11)
+        self.blocks = nn.ModuleList([nn.Linear(7, 13), nn.Linear(13, 13)])
+        self.head = nn.Linear(13, 3)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return self.head(x)
+
+
+class Record(hpctrain.Callback):
+    def __init__(self, stop_below=None):
+        self.steps, self.stop_below, self.ended = [], stop_below, None
+
+    def on_step_end(self, trainer, step, metrics):
+        self.steps.append((step, metrics["loss"], metrics["lr"]))
+        if self.stop_below is not None and metrics["loss"] < self.stop_below:
+            trainer.should_stop = True
+
+    def on_fit_end(self, trainer, summary):
+        self.ended = summary["steps"]
+
+
+def main():
+    out, strategy = sys.argv[1], sys.argv[2]
+    mesh = dict(mesh=sys.argv[3], dp_flavour=sys.argv[4]) if len(sys.argv) > 4 else {}
+    torch.set_num_threads(1)
+    loader = DataLoader(Pairs(), batch_size=16, shuffle=True, collate_fn=collate)
+    loss = nn.functional.mse_loss
+    rec = Record()
+    trainer = hpctrain.Trainer(strategy=strategy, steps=12, lr=0.05, optimizer="sgd",
+                               progress="off", out_dir="", callbacks=[rec], **mesh)
+    summary = trainer.fit(Net(), loader, loss_fn=loss)
+    # early stopping: every rank stops after the same step
+    early = Record(stop_below=summary["losses"][4])
+    again = hpctrain.Trainer(strategy=strategy, epochs=4, lr=0.05, optimizer="sgd",
+                             progress="off", out_dir="", callbacks=[early], **mesh)
+    cut = again.fit(Net(), loader, loss_fn=loss)
+    stopped = trainer.world.mpi_comm.allgather(cut["steps"])
+    if trainer.world.rank == 0:
+        with open(out, "w") as f:
+            json.dump({"losses": summary["losses"], "steps_seen": rec.steps, "ended": rec.ended,
+                       "early_losses": cut["losses"], "stopped_at": stopped,
+                       "early_ended": early.ended}, f)
+
+
+if __name__ == "__main__":
+    from hpctrain.runtime.abort import abort_on_exception
+
+    sys.exit(abort_on_exception(main))

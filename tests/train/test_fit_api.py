@@ -1,0 +1,66 @@
+"""hpctrain.Trainer(...).fit(model, DataLoader, loss_fn): a user's model and DataLoader (dict
+items, a collate_fn) train the same under zero3 at 2 ranks and fsdp at 3 as in one process;
+callbacks see every step; early stopping stops every rank after the same step."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.mpirun import ROOT, mpi_env
+
+WORKER = "tests/train/fit_api_worker.py"
+
+
+def _run(tmp_path, name, ranks, *args):
+    out = tmp_path / f"{name}.json"
+    cmd = [sys.executable, WORKER, str(out), *args]
+    if ranks > 1:
+        cmd = ["mpirun", "-n", str(ranks), "--oversubscribe", "--bind-to", "none", *cmd]
+    proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env({}), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.mpi
+def test_fit_with_a_dataloader_matches_one_process_and_stops_early_together(tmp_path):
+    want = _run(tmp_path, "single", 1, "single")
+    assert [s for s, _, _ in want["steps_seen"]] == list(range(1, 13)) and want["ended"] == 12
+    assert [loss for _, loss, _ in want["steps_seen"]] == want["losses"]
+    # epochs=4 of 96 samples at the DataLoader's batch of 16: 24 steps, cut after step 5
+    assert want["early_ended"] == want["stopped_at"][0] < 24
+    for name, ranks, args in (("zero3", 2, ["zero3"]), ("fsdp", 3, ["fsdp"])):
+        got = _run(tmp_path, name, ranks, *args)
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]),
+                                   rtol=1e-5, atol=0, msg=name)
+        assert got["stopped_at"] == [want["stopped_at"][0]] * ranks, (name, got["stopped_at"])
+        torch.testing.assert_close(torch.tensor(got["early_losses"]),
+                                   torch.tensor(want["early_losses"]), rtol=1e-5, atol=0)
+
+
+def test_bad_input_is_one_clear_error():
+    from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+    import hpctrain
+    from hpctrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown option"):
+        hpctrain.Trainer(stratgy="zero3")
+    with pytest.raises(ConfigError, match="not both"):
+        hpctrain.Trainer(hpctrain.Config(), steps=3)
+    t = hpctrain.Trainer(steps=2, out_dir="", progress="off")
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield torch.zeros(2), torch.zeros(1)
+
+    with pytest.raises(ConfigError, match="IterableDataset"):
+        t._user_model(torch.nn.Linear(2, 1), DataLoader(Stream(), batch_size=2), torch.sub)
+    with pytest.raises(ConfigError, match="DataLoader"):
+        t._user_model(torch.nn.Linear(2, 1), [1, 2], torch.sub)
+    data = TensorDataset(torch.zeros(4, 2), torch.zeros(4, 1))
+    with pytest.raises(ConfigError, match="loss_fn"):
+        t._user_model(torch.nn.Linear(2, 1), DataLoader(data, batch_size=2), None)
