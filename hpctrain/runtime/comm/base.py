@@ -581,22 +581,20 @@ def _tensor_size(args, kwargs):
     return t.numel() * t.element_size(), _DTYPE_NAMES.get(t.dtype, ""), None
 
 
-def _p2p_size(args, kwargs):
-    """send/recv/isend/irecv(tensor, peer, ...)."""
-    t = args[0] if args else kwargs.get("tensor")
-    peer = args[1] if len(args) > 1 else kwargs.get("dest", kwargs.get("source"))
-    if not isinstance(t, torch.Tensor):
-        return 0, "", peer
-    return t.numel() * t.element_size(), _DTYPE_NAMES.get(t.dtype, ""), peer
+def _peer_sized(peer_at: int):
+    """The sizing function of a point-to-point op whose peer is argument ``peer_at``
+    (send/recv/isend/irecv(tensor, peer, ...): 1; isend_boxes/irecv_boxes(tensor, boxes,
+    peer, ...): 2)."""
+    def size(args, kwargs):
+        t = args[0] if args else kwargs.get("tensor")
+        peer = args[peer_at] if len(args) > peer_at else kwargs.get("dest", kwargs.get("source"))
+        if not isinstance(t, torch.Tensor):
+            return 0, "", peer
+        return t.numel() * t.element_size(), _DTYPE_NAMES.get(t.dtype, ""), peer
+    return size
 
 
-def _boxes_size(args, kwargs):
-    """isend_boxes/irecv_boxes(tensor, boxes, peer, ...)."""
-    t = args[0] if args else kwargs.get("tensor")
-    peer = args[2] if len(args) > 2 else kwargs.get("dest", kwargs.get("source"))
-    if not isinstance(t, torch.Tensor):
-        return 0, "", peer
-    return t.numel() * t.element_size(), _DTYPE_NAMES.get(t.dtype, ""), peer
+_p2p_size, _boxes_size = _peer_sized(1), _peer_sized(2)
 
 
 def _group_size(args, kwargs):
