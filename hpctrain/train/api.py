@@ -4,7 +4,8 @@ Lightning users write ``Trainer(strategy=...).fit(model, dataloader)``; hpctrain
 same shape, over its plans and with its guarantee (the same trajectory as one process)::
 
     trainer = hpctrain.Trainer(strategy="zero3", steps=200, lr=1e-3, global_batch_size=64)
-    summary = trainer.fit(model, DataLoader(dataset, batch_size=64, collate_fn=...), loss_fn)
+    summary = trainer.fit(model, DataLoader(dataset, batch_size=64, collate_fn=...),
+                          loss_fn=loss_fn)
 
 or, as before, the whole run from a config: ``hpctrain.Trainer(load_config("run.toml")).fit()``.
 
@@ -123,6 +124,10 @@ class Trainer:
         batches over a map-style dataset, and ``loss_fn(output, target) -> mean loss``."""
         from hpctrain.train.trainer import Trainer as Engine
 
+        if callable(val_dataloaders) and not hasattr(val_dataloaders, "__iter__"):
+            raise ConfigError("Trainer.fit(model, train_dataloaders, val_dataloaders=None, "
+                              "loss_fn=None): the third argument is the validation data (as "
+                              "in Lightning); pass the loss as loss_fn=...")
         if val_dataloaders is not None:
             raise NotImplementedError("Trainer.fit(val_dataloaders=...): evaluation during fit "
                                       "is not implemented yet; call fit without it")

@@ -64,3 +64,5 @@ def test_bad_input_is_one_clear_error():
     data = TensorDataset(torch.zeros(4, 2), torch.zeros(4, 1))
     with pytest.raises(ConfigError, match="loss_fn"):
         t._user_model(torch.nn.Linear(2, 1), DataLoader(data, batch_size=2), None)
+    with pytest.raises(ConfigError, match="the third argument is the validation data"):
+        t.fit(torch.nn.Linear(2, 1), DataLoader(data, batch_size=2), torch.sub)
