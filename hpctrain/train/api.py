@@ -14,6 +14,8 @@ What a DataLoader means here: its dataset (map-style) and its ``collate_fn`` are
 ``global_batch_size`` is given; the order of samples comes from the run's seed, and each
 data-parallel rank collates only its part of every global batch, so the losses do not
 depend on the world size. Iterable datasets cannot be split that way and are refused.
+Validation (``val_dataloaders``, every ``val_every`` steps, or ``validate()``) is the mean
+loss over the whole validation set, reduced over the ranks.
 """
 
 from __future__ import annotations
@@ -49,6 +51,10 @@ class Callback:
     def on_step_end(self, trainer, step: int, metrics: dict) -> None:
         """After optimizer step ``step`` (1-based): metrics has loss, lr (the step's),
         units_per_s and grad_norm (None when nothing computed it)."""
+
+    def on_validation_end(self, trainer, step: int, metrics: dict) -> None:
+        """After the validation at step ``step`` (``val_every``): metrics has val_loss, the
+        mean over the whole validation set (the same on every rank)."""
 
     def on_checkpoint(self, trainer, step: int, path: str) -> None:
         """After the checkpoint of step ``step`` was written to ``path``."""
@@ -104,11 +110,16 @@ class Trainer:
     other config key). ``callbacks``: Callback objects."""
 
     def __init__(self, cfg: Config | None = None, world=None, built=None, *, callbacks=(),
-                 epochs: int | None = None, set=None, **options):  # noqa: A002 - Lightning's word
+                 epochs: int | None = None, val_every: int = 0, set=None,  # noqa: A002
+                 **options):
         if cfg is not None and (options or set):
             raise ConfigError("Trainer: give a Config or keyword options, not both")
         self.cfg = cfg if cfg is not None else _config(options, set)
         self.world, self.callbacks, self.epochs = world, list(callbacks), epochs
+        if not isinstance(val_every, int) or val_every < 0:
+            raise ConfigError(f"Trainer(val_every={val_every!r}): expected steps >= 0 (0: only "
+                              f"at the end of fit)")
+        self.val_every = val_every
         self.should_stop = False
         self.engine = None
         if built is not None or cfg is not None:
@@ -128,20 +139,47 @@ class Trainer:
             raise ConfigError("Trainer.fit(model, train_dataloaders, val_dataloaders=None, "
                               "loss_fn=None): the third argument is the validation data (as "
                               "in Lightning); pass the loss as loss_fn=...")
-        if val_dataloaders is not None:
-            raise NotImplementedError("Trainer.fit(val_dataloaders=...): evaluation during fit "
-                                      "is not implemented yet; call fit without it")
         built = self._built
         if model is not None:
             built = self._user_model(model, train_dataloaders, loss_fn)
         elif train_dataloaders is not None or loss_fn is not None:
             raise ConfigError("Trainer.fit: data or a loss without a model; pass the model too")
-        self.engine = Engine(self.cfg, self.world, built, callbacks=self.callbacks, owner=self)
+        validation = None
+        if val_dataloaders is not None:
+            if built is None:
+                raise ConfigError("Trainer.fit(val_dataloaders=...) needs the model and its "
+                                  "loss_fn")
+            dataset, batch = self._val_data(val_dataloaders)
+            every = self.val_every or self.cfg.train.steps  # 0: once, after the last step
+            validation = (dataset, batch, built.loss_fn, every)
+        self.engine = Engine(self.cfg, self.world, built, callbacks=self.callbacks, owner=self,
+                             validation=validation)
         self.world = self.engine.world
         summary = self.engine.fit()
         for cb in self.callbacks:
             cb.on_fit_end(self, summary)
         return summary
+
+    def validate(self, val_dataloaders, loss_fn=None) -> dict:
+        """The mean loss over the whole validation set with the model as trained by the last
+        fit(): {"val_loss": ...}, the same on every rank and at every world size under the
+        data-parallel flavours (pipeline, tensor and domain plans: not yet). Collective."""
+        if self.engine is None:
+            raise ConfigError("Trainer.validate: call fit() first (it builds the model's plan)")
+        dataset, batch = self._val_data(val_dataloaders)
+        loss = self.engine.evaluate(dataset, batch, loss_fn or self.engine.built.loss_fn)
+        return {"val_loss": loss}
+
+    def _val_data(self, loader):
+        """(dataset with the loader's collate_fn, batch size) of a validation DataLoader."""
+        from torch.utils.data import DataLoader, IterableDataset
+
+        from hpctrain.data.sampler import CollatedDataset
+
+        if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+            raise ConfigError("Trainer: validation data must be a DataLoader over a map-style "
+                              "dataset")
+        return CollatedDataset(loader.dataset, loader.collate_fn), loader.batch_size or 1
 
     def _user_model(self, model, loader, loss_fn):
         """BuiltModel of a user's model, DataLoader and loss (the global batch, the step

@@ -90,8 +90,10 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config, world=None, built: BuiltModel | None = None,
-                 callbacks=(), owner=None):
+                 callbacks=(), owner=None, validation=None):
         self.cfg = cfg
+        # (dataset, batch size, loss_fn, every N steps) evaluated during fit (train/api.py)
+        self.validation, self.val_losses = validation, []
         # hpctrain.Trainer's callbacks (train/api.py), called with ``owner`` (the public
         # Trainer, whose should_stop ends training after a step)
         self.callbacks, self.owner = list(callbacks), owner if owner is not None else self
@@ -283,6 +285,8 @@ class Trainer:
                     self._log_step(csv, events, step + 1, loss, lr, units_per_step / dt,
                                    time.perf_counter() - start)
                 self.sampler.step = step + 1
+                if self.validation is not None and (step + 1) % self.validation[3] == 0:
+                    self._validate_during_fit(step + 1, events if main else None)
                 stop = self._callbacks_stop(step + 1, loss, lr, units_per_step / dt)
                 if ck.dir and ck.every and (step + 1) % ck.every == 0:
                     self.save(step + 1, losses)
@@ -318,6 +322,8 @@ class Trainer:
                       f"(chrome://tracing or ui.perfetto.dev)", flush=True)
         trained = len(losses) - len(self.history)  # fewer than asked when a callback stopped
         summary = self._summary(losses, trained, elapsed)
+        if self.validation is not None:
+            summary["val_losses"] = self.val_losses
         if main:
             print(f"done: {self.start_step + trained} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
                   f"{summary['tokens_or_samples_per_s']:,.0f} {self.built.unit}/s, "
@@ -341,6 +347,46 @@ class Trainer:
         events.write(step, {"loss": loss, "lr": lr, "grad_norm": norm,
                             f"throughput_{self.built.unit}_per_s": units_per_s,
                             "peak_rss_mb": rss})
+
+    def evaluate(self, dataset, batch_size: int, loss_fn) -> float:
+        """The mean loss of the model over ``dataset``, in order, in global batches of
+        ``batch_size``: each data-parallel rank forwards its part of every batch (an empty
+        part too: a sharded forward gathers with the others) and the sums are reduced.
+        Collective. The same value under every data-parallel flavour and world size."""
+        if self.plan.pipeline or self.plan.tensor or self.plan.domain:
+            raise UsageError(f"evaluation under plan {self.plan.name!r} is not implemented yet "
+                             f"(pipeline, tensor and domain plans need their own forward-only "
+                             f"schedule); evaluate under a data-parallel plan")
+        rank, ranks = self.par.data_shard(self.world)
+        model, device = self.par.model, self.world.device
+        was_training = model.training
+        model.eval()
+        total = count = 0.0
+        try:
+            with torch.no_grad(), self.precision.autocast():
+                for start in range(0, len(dataset), batch_size):
+                    mine = list(range(start, min(start + batch_size, len(dataset))))[rank::ranks]
+                    x, y = self.par.load_batch(dataset, mine)
+                    out = model(x.to(device))
+                    if mine:
+                        total += float(loss_fn(out, y.to(device))) * len(mine)
+                        count += len(mine)
+        finally:
+            model.train(was_training)
+        total, count = self.world.host.allreduce_scalars([total, count])
+        return total / count if count else float("nan")
+
+    def _validate_during_fit(self, step: int, events) -> None:
+        dataset, batch_size, loss_fn, _ = self.validation
+        set_context(phase="validation")
+        loss = self.evaluate(dataset, batch_size, loss_fn)
+        self.val_losses.append((step, loss))
+        if self.world.is_main:
+            print(f"hpctrain: step {step}: validation loss {loss:.6g}", flush=True)
+            if events is not None:
+                events.write(step, {"val_loss": loss})
+        for cb in self.callbacks:
+            cb.on_validation_end(self.owner, step, {"val_loss": loss})
 
     def _callbacks_stop(self, step: int, loss: float, lr: float, rate: float) -> bool:
         """Call on_step_end of every callback; True when one asked to stop. The ranks agree

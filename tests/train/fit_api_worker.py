@@ -18,8 +18,8 @@ import hpctrain
 class Pairs(Dataset):
     """Items are dicts (as many real data sets have); the collate_fn makes (x, y) tensors."""
 
-    def __init__(self, n=96):
-        g = torch.Generator().manual_seed(3)
+    def __init__(self, n=96, seed=3):
+        g = torch.Generator().manual_seed(seed)
         self.x = torch.randn(n, 7, generator=g)
         self.y = (self.x @ torch.randn(7, 3, generator=g)).tanh()
 
@@ -50,12 +50,15 @@ class Net(nn.Module):
 
 class Record(hpctrain.Callback):
     def __init__(self, stop_below=None):
-        self.steps, self.stop_below, self.ended = [], stop_below, None
+        self.steps, self.stop_below, self.ended, self.val = [], stop_below, None, []
 
     def on_step_end(self, trainer, step, metrics):
         self.steps.append((step, metrics["loss"], metrics["lr"]))
         if self.stop_below is not None and metrics["loss"] < self.stop_below:
             trainer.should_stop = True
+
+    def on_validation_end(self, trainer, step, metrics):
+        self.val.append((step, metrics["val_loss"]))
 
     def on_fit_end(self, trainer, summary):
         self.ended = summary["steps"]
@@ -68,9 +71,13 @@ def main():
     loader = DataLoader(Pairs(), batch_size=16, shuffle=True, collate_fn=collate)
     loss = nn.functional.mse_loss
     rec = Record()
+    # 37 validation samples in batches of 10: the last batch is short and some ranks'
+    # parts of it are empty
+    val = DataLoader(Pairs(37, seed=5), batch_size=10, collate_fn=collate)
     trainer = hpctrain.Trainer(strategy=strategy, steps=12, lr=0.05, optimizer="sgd",
-                               progress="off", out_dir="", callbacks=[rec], **mesh)
-    summary = trainer.fit(Net(), loader, loss_fn=loss)
+                               progress="off", out_dir="", callbacks=[rec], val_every=4, **mesh)
+    summary = trainer.fit(Net(), loader, val, loss_fn=loss)
+    after = trainer.validate(val)["val_loss"]
     # early stopping: every rank stops after the same step
     early = Record(stop_below=summary["losses"][4])
     again = hpctrain.Trainer(strategy=strategy, epochs=4, lr=0.05, optimizer="sgd",
@@ -80,6 +87,7 @@ def main():
     if trainer.world.rank == 0:
         with open(out, "w") as f:
             json.dump({"losses": summary["losses"], "steps_seen": rec.steps, "ended": rec.ended,
+                       "val": rec.val, "val_summary": summary["val_losses"], "after": after,
                        "early_losses": cut["losses"], "stopped_at": stopped,
                        "early_ended": early.ended}, f)
 

@@ -1,6 +1,7 @@
 """hpctrain.Trainer(...).fit(model, DataLoader, loss_fn): a user's model and DataLoader (dict
 items, a collate_fn) train the same under zero3 at 2 ranks and fsdp at 3 as in one process;
-callbacks see every step; early stopping stops every rank after the same step."""
+callbacks see every step; validation every few steps gives the same loss at every world
+size; early stopping stops every rank after the same step."""
 
 import json
 import subprocess
@@ -30,6 +31,9 @@ def test_fit_with_a_dataloader_matches_one_process_and_stops_early_together(tmp_
     want = _run(tmp_path, "single", 1, "single")
     assert [s for s, _, _ in want["steps_seen"]] == list(range(1, 13)) and want["ended"] == 12
     assert [loss for _, loss, _ in want["steps_seen"]] == want["losses"]
+    # validation every 4 steps over the whole validation set; validate() after fit = the last
+    assert [s for s, _ in want["val"]] == [4, 8, 12] and want["val"] == want["val_summary"]
+    assert want["after"] == want["val"][-1][1]
     # epochs=4 of 96 samples at the DataLoader's batch of 16: 24 steps, cut after step 5
     assert want["early_ended"] == want["stopped_at"][0] < 24
     for name, ranks, args in (("zero3", 2, ["zero3"]), ("fsdp", 3, ["fsdp"])):
@@ -37,6 +41,8 @@ def test_fit_with_a_dataloader_matches_one_process_and_stops_early_together(tmp_
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]),
                                    rtol=1e-5, atol=0, msg=name)
         assert got["stopped_at"] == [want["stopped_at"][0]] * ranks, (name, got["stopped_at"])
+        torch.testing.assert_close(torch.tensor(got["val"]), torch.tensor(want["val"]),
+                                   rtol=1e-5, atol=0, msg=name)
         torch.testing.assert_close(torch.tensor(got["early_losses"]),
                                    torch.tensor(want["early_losses"]), rtol=1e-5, atol=0)
 
