@@ -392,7 +392,7 @@ def cmd_train(args) -> int:
     from hpctrain.runtime.world import init_world
     from hpctrain.train.nonfinite import NonFiniteError
     from hpctrain.train.preemption import PREEMPT_EXIT_CODE, Preempted
-    from hpctrain.train.trainer import Trainer
+    from hpctrain.train.api import Trainer  # the CLI is a thin layer over the Python API
 
     try:
         world = init_world(cfg.runtime.ranks_per_node, cfg.runtime.device)
