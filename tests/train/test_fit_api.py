@@ -4,25 +4,19 @@ callbacks see every step; validation every few steps gives the same loss at ever
 size; early stopping stops every rank after the same step."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.mpirun import ROOT, mpi_env
+from tests.mpirun import run_mpi, run_single
 
 WORKER = "tests/train/fit_api_worker.py"
 
 
 def _run(tmp_path, name, ranks, *args):
     out = tmp_path / f"{name}.json"
-    cmd = [sys.executable, WORKER, str(out), *args]
-    if ranks > 1:
-        cmd = ["mpirun", "-n", str(ranks), "--oversubscribe", "--bind-to", "none", *cmd]
-    proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env({}), capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    (run_mpi(ranks, [WORKER, str(out), *args]) if ranks > 1 else
+     run_single([WORKER, str(out), *args]))
     return json.loads(out.read_text())
 
 

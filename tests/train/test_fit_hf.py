@@ -1,28 +1,23 @@
-"""Hugging Face GPT-2 and Llama (tiny, random init) trained through hpctrain.Trainer.fit with
-a torch DataLoader, AdamW and warm-up + cosine: zero3 at 2 ranks and pipeline pp=2 follow one
-process; a fit stopped mid-epoch and resumed from its checkpoint reproduces the uninterrupted
-one (the schedule included), under single and zero3; the validation loss is equal."""
+"""A Hugging Face GPT-2 (tiny, random init; Llama passed too, left out for the suite's time)
+trained through hpctrain.Trainer.fit with a torch DataLoader, AdamW and warm-up + cosine:
+zero3 at 2 ranks and pipeline pp=2 follow one process; a fit stopped mid-epoch and resumed
+from its checkpoint reproduces the uninterrupted one (the schedule included), under single
+and zero3; the validation loss is equal."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.mpirun import ROOT, mpi_env
+from tests.mpirun import run_mpi, run_single
 
 WORKER = "tests/train/fit_hf_worker.py"
 
 
 def _run(tmp_path, name, ranks, *args):
     out = tmp_path / f"{name}.json"
-    cmd = [sys.executable, WORKER, str(out), *args]
-    if ranks > 1:
-        cmd = ["mpirun", "-n", str(ranks), "--oversubscribe", "--bind-to", "none", *cmd]
-    proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env({}), capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    (run_mpi(ranks, [WORKER, str(out), *args]) if ranks > 1 else
+     run_single([WORKER, str(out), *args]))
     return json.loads(out.read_text())
 
 
@@ -32,7 +27,7 @@ def _close(got, want, what):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("which", ["gpt2", "llama"])
+@pytest.mark.parametrize("which", ["gpt2"])  # llama: the same path (test_pipeline_any_model)
 def test_hf_models_through_fit_follow_one_process_and_resume_mid_epoch(tmp_path, which):
     want = _run(tmp_path, "single", 1, "single", which)
     assert len(want["losses"]) == 16 and want["losses"][-1] < want["losses"][0]
