@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from hpctrain.config import Config, ConfigError, parse_assignment
+from hpctrain.config import Config, ConfigError, load_config, parse_assignment
 
 __all__ = ["Trainer", "Callback"]
 
@@ -65,43 +65,29 @@ class Callback:
 
 def _config(options: dict, settings) -> Config:
     """A Config from keyword options and ``set`` ("section.key=value" strings or a dict of
-    dotted keys); ConfigError naming a key it does not know."""
-    cfg = Config()
-    items = dict(settings) if isinstance(settings, dict) else {}
-    texts = [] if isinstance(settings, dict) else list(settings or ())
+    dotted keys), through ``load_config`` (so values are checked as a TOML file's are);
+    ConfigError naming a key it does not know."""
+    overrides = []
     for key, value in options.items():
         if key not in _KEYS:
             raise ConfigError(f"Trainer({key}=...): unknown option; known: "
                               f"{', '.join(sorted(_KEYS))} (others: set={{'section.key': "
                               f"value}})")
-        items[_KEYS[key]] = value
-    for text in texts:
-        items.update(_flatten(parse_assignment(text)))
-    for dotted, value in items.items():
-        section, _, key = dotted.partition(".")
-        table = getattr(cfg, section, None)
-        if table is None or not key:
-            raise ConfigError(f"Trainer: {dotted!r} is not a config key (section.key)")
-        head, _, rest = key.partition(".")
-        names = {f.name for f in fields(table)}
-        if head not in names:
-            raise ConfigError(f"Trainer: unknown key {section}.{head}; valid keys: "
-                              f"{', '.join(sorted(names))}")
-        if rest:  # a table entry: train.model_options.layers
-            getattr(table, head)[rest] = value
-        else:
-            setattr(table, head, value)
-    return cfg
+        overrides.append(_nested(_KEYS[key], value))
+    if isinstance(settings, dict):
+        overrides += [_nested(k, v) for k, v in settings.items()]
+    else:
+        overrides += [parse_assignment(text) for text in settings or ()]
+    return load_config(None, overrides)
 
 
-def _flatten(mapping: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in mapping.items():
-        if isinstance(v, dict) and not prefix:
-            out.update(_flatten(v, k + "."))
-        else:
-            out[prefix + k] = v
-    return out
+def _nested(dotted: str, value) -> dict:
+    """'train.model_options.layers', 2 -> {"train": {"model_options": {"layers": 2}}}."""
+    section, _, key = dotted.partition(".")
+    head, _, rest = key.partition(".")
+    if not head:
+        raise ConfigError(f"Trainer: {dotted!r} is not a config key (section.key)")
+    return {section: {head: {rest: value} if rest else value}}
 
 
 class Trainer:
@@ -122,10 +108,7 @@ class Trainer:
         self.val_every = val_every
         self.should_stop = False
         self.engine = None
-        if built is not None or cfg is not None:
-            self._built = built
-        else:
-            self._built = None
+        self._built = built  # None: fit() gets the model (or builds the config's)
 
     def fit(self, model=None, train_dataloaders=None, val_dataloaders=None, loss_fn=None):
         """Train; return the run's summary (losses, throughput, ...). Collective.
