@@ -120,6 +120,20 @@ class Parallelized:
             local += float(loss.detach()) * weight
         return local
 
+    def forward_loss(self, micro_batches: Iterable, loss_fn, precision) -> float:
+        """``forward_backward`` without the backward (evaluation): sum of weight x loss over
+        ``micro_batches``, under no_grad, in the model's current mode. An empty micro-batch
+        is forwarded too (sharded strategies gather with the other ranks) but adds no loss.
+        Collective."""
+        local = 0.0
+        with torch.no_grad():
+            for x, y, weight in micro_batches:
+                with precision.autocast():
+                    out = self.model(x)
+                    if x.shape[0]:
+                        local += float(loss_fn(out, y)) * weight
+        return local
+
     def load_batch(self, dataset, indices):
         """Collate this rank's samples (domain parallel reads only its tile of each); local."""
         from hpctrain.data.sampler import collate

@@ -64,6 +64,14 @@ class Composed:
         local = self._executor.forward_backward(self._inner, micro_batches, loss_fn, precision)
         return local if self._tensor is None or self._tensor.tp.rank == 0 else 0.0
 
+    def forward_loss(self, micro_batches, loss_fn, precision) -> float:
+        """``forward_backward`` without the backward (evaluation; see Parallelized), run by
+        the executor, reported as the training loss is (collective)."""
+        if self._tensor is not None:
+            loss_fn = self._tensor.adapt_loss(loss_fn)
+        local = self._executor.forward_loss(self._inner, micro_batches, loss_fn, precision)
+        return local if self._tensor is None or self._tensor.tp.rank == 0 else 0.0
+
     def data_shard(self, world) -> tuple[int, int]:
         return self._executor.data_shard(world)
 

@@ -29,6 +29,7 @@ triggers it: the others' pending op completes before the timeout.
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import json
 import mmap
@@ -313,5 +314,9 @@ def start_watchdog(timeout_s: float, out_dir: str, mpi_comm) -> Watchdog | None:
                    owner=rank == 0)
     dog.attach_mirror()
     dog.start()
+    # A process that ends without fit()'s clean stop (a script driving steps itself, an
+    # exception caught by the caller) still removes the channel: 120 of them had piled
+    # up in /tmp. A stalled job aborts through os._exit and keeps its channel as evidence.
+    atexit.register(dog.stop)
     _ACTIVE = dog
     return dog

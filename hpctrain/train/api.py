@@ -146,7 +146,8 @@ class Trainer:
     def validate(self, val_dataloaders, loss_fn=None) -> dict:
         """The mean loss over the whole validation set with the model as trained by the last
         fit(): {"val_loss": ...}, the same on every rank and at every world size under the
-        data-parallel flavours (pipeline, tensor and domain plans: not yet). Collective."""
+        plans (the pipeline, tensor and domain ones through their forward-only path).
+        Collective."""
         if self.engine is None:
             raise ConfigError("Trainer.validate: call fit() first (it builds the model's plan)")
         dataset, batch = self._val_data(val_dataloaders)

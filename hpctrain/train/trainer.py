@@ -350,31 +350,26 @@ class Trainer:
 
     def evaluate(self, dataset, batch_size: int, loss_fn) -> float:
         """The mean loss of the model over ``dataset``, in order, in global batches of
-        ``batch_size``: each data-parallel rank forwards its part of every batch (an empty
-        part too: a sharded forward gathers with the others) and the sums are reduced.
-        Collective. The same value under every data-parallel flavour and world size."""
-        if self.plan.pipeline or self.plan.tensor or self.plan.domain:
-            raise UsageError(f"evaluation under plan {self.plan.name!r} is not implemented yet "
-                             f"(pipeline, tensor and domain plans need their own forward-only "
-                             f"schedule); evaluate under a data-parallel plan")
+        ``batch_size`` (each batch's loss weighted by its size, as one process computes it).
+        Each data-parallel rank forwards its part of every batch (an empty part too: a
+        sharded forward gathers with the others) through the plan's forward-only path
+        (``forward_loss``: the pipeline's forward schedule, tensor and domain executors);
+        one reduction at the end. Collective. The same value under every plan."""
         rank, ranks = self.par.data_shard(self.world)
-        model, device = self.par.model, self.world.device
+        model, device, n = self.par.model, self.world.device, len(dataset)
         was_training = model.training
         model.eval()
-        total = count = 0.0
+        total = 0.0
         try:
-            with torch.no_grad(), self.precision.autocast():
-                for start in range(0, len(dataset), batch_size):
-                    mine = list(range(start, min(start + batch_size, len(dataset))))[rank::ranks]
-                    x, y = self.par.load_batch(dataset, mine)
-                    out = model(x.to(device))
-                    if mine:
-                        total += float(loss_fn(out, y.to(device))) * len(mine)
-                        count += len(mine)
+            for start in range(0, n, batch_size):
+                mine = list(range(start, min(start + batch_size, n)))[rank::ranks]
+                x, y = self.par.load_batch(dataset, mine)
+                total += self.par.forward_loss([(x.to(device), y.to(device), len(mine))],
+                                               loss_fn, self.precision)
         finally:
             model.train(was_training)
-        total, count = self.world.host.allreduce_scalars([total, count])
-        return total / count if count else float("nan")
+        total = self.world.host.allreduce_scalars([total])[0]
+        return total / n if n else float("nan")
 
     def _validate_during_fit(self, step: int, events) -> None:
         dataset, batch_size, loss_fn, _ = self.validation

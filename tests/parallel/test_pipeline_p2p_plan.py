@@ -94,3 +94,15 @@ def test_ordered_groups_carry_the_shape_header_first():
     assert first[1] == [("recv", pp.Msg("act", 0, 0))]
     later = pp._groups(pp.plan(schedules[1], 1, 2, 1, ordered=True), headers=False)
     assert all(m.kind != "hdr" for g in later for _, m in g)
+
+
+def test_forward_only_evaluation_runs_cannot_hang():
+    # evaluation's schedule (forwards only, chunk by chunk): every activation sent once and
+    # received once, and the ordered (NCCL) issue order is safe at every size
+    for p in range(1, 7):
+        for v in (1, 2, 3):
+            for m in range(1, 9):
+                schedules = [sched.forward_only(p, m, v, r) for r in range(p)]
+                pp.check_ordered(schedules, v)
+                sched.simulate(schedules, v)
+                assert all(len(s) == m * v for s in schedules)

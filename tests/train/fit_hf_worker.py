@@ -43,8 +43,8 @@ def main():
     if ckpt is None:
         trainer = _trainer(strategy, 16)
         summary = trainer.fit(model, loader, loss_fn=loss)
-        val = (trainer.validate(DataLoader(data, batch_size=32))["val_loss"]
-               if strategy != "pipeline" else None)
+        # batches of 24: the last one (16) pads the pipeline's last piece
+        val = trainer.validate(DataLoader(data, batch_size=24))["val_loss"]
         result = {"losses": summary["losses"], "val": val}
     else:
         first = _trainer(strategy, 16, checkpoint_dir=ckpt, checkpoint_every=7,

@@ -96,6 +96,26 @@ class DomainExecutor:
             local += float(loss.detach()) * share * weight
         return local
 
+    def forward_loss(self, dp_part, micro_batches, loss_fn, precision) -> float:
+        """Evaluation: each micro-batch's loss on this rank's tiles, weighted by the tiles'
+        share of the grid, without a backward (collective: halo exchanges; an empty
+        micro-batch is forwarded too, adding no loss)."""
+        model, local, nd = dp_part.model, 0.0, self.grid.ndim
+        with torch.no_grad():
+            for x, y, weight in micro_batches:
+                gx, gy = self._shapes
+                self.grid.begin(gx)
+                try:
+                    with precision.autocast():
+                        out = model(x)
+                        if x.shape[0]:
+                            loss = float(loss_fn(out, y))
+                finally:
+                    self.grid.end()
+                if x.shape[0]:
+                    local += loss * math.prod(y.shape[-nd:]) / math.prod(gy) * weight
+        return local
+
 
 def _spatial_ndim(model: nn.Module) -> int:
     for m in model.modules():

@@ -114,6 +114,42 @@ class Engine:
                                f"a backward, or messages {sorted(map(str, [*inbox, *outbox]))} "
                                "unused; the schedule is incomplete")
         self.links.wait_all()
+        return self._loss_sum(losses)
+
+    def forward(self, actions: list[Action], micro: list, loss_fn, precision) -> float:
+        """Run the forward-only ``actions`` (schedule.forward_only) over ``micro`` = [(x, y,
+        weight)] under no_grad: evaluation. Returns the weighted loss sum (nonzero on the rank
+        of the last stage only). The dp flavour's action hooks are not called: the caller
+        gathers what the chunks need first."""
+        inbox: dict = {}
+        outbox: dict = {}
+        losses = []
+        with torch.no_grad():
+            for st in self._steps(actions):
+                a, g = st.action, st.stage
+                if st.pre_sends or st.pre_recvs:
+                    inbox.update(self.links.post([(m, outbox.pop(m)) for m in st.pre_sends],
+                                                 st.pre_recvs))
+                x, y, w = micro[a.mb]
+                inp = x if st.recv is None else inbox.pop(st.recv)
+                with precision.autocast():
+                    out = inp
+                    for layer in self.chunks[a.chunk]:  # no recompute: nothing is kept
+                        out = layer.forward(self.root, out)
+                    if g == self.S - 1:
+                        losses.append((loss_fn(out, y).detach(), w))
+                    else:
+                        outbox[st.send] = out
+                if st.post_sends:
+                    self.links.post([(m, outbox.pop(m)) for m in st.post_sends])
+        if inbox or outbox:
+            raise RuntimeError(f"pipeline forward-only run left messages "
+                               f"{sorted(map(str, [*inbox, *outbox]))} unused")
+        self.links.wait_all()
+        return self._loss_sum(losses)
+
+    @staticmethod
+    def _loss_sum(losses) -> float:
         loss_sum = 0.0
         for loss, w in losses:  # the order and arithmetic of a running sum, as before
             loss_sum += float(loss) * w

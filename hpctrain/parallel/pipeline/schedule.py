@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["Action", "SCHEDULES", "gpipe", "one_f_one_b", "interleaved_1f1b", "build",
+           "forward_only",
            "stage_of", "peak_live", "simulate", "bubble_formula"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
@@ -67,6 +68,13 @@ def interleaved_1f1b(p: int, m: int, v: int, rank: int) -> list[Action]:
         k = warm + i
         acts += [Action("F", mb(k), chunk_f(k)), Action("B", mb(i), v - 1 - chunk_f(i))]
     return acts + [Action("B", mb(i), v - 1 - chunk_f(i)) for i in range(total - warm, total)]
+
+
+def forward_only(p: int, m: int, v: int, rank: int) -> list[Action]:
+    """Evaluation: the forwards of m micro-batches, each through the rank's v chunks in
+    turn, no backwards. Micro-batch-major: taking every micro-batch through chunk 0 first
+    would deadlock NCCL's ordered sends at v > 1 (a test replays both)."""
+    return [Action("F", i, c) for i in range(m) for c in range(v)]
 
 
 def build(schedule: str, p: int, m: int, v: int = 1) -> list[list[Action]]:

@@ -73,6 +73,7 @@ class PipelineExecutor:
         self.opts, self.flavour = opts, flavour
         self.is_last = engine.rank == engine.p - 1
         self._skeleton = None
+        self._piece = 0  # samples per schedule piece in training (0: none trained yet)
         self._specs = None
         self._unit_chunks: list[tuple] = []   # unit index -> chunks that use it
         self._trigger: list = []              # unit index -> action of its last backward
@@ -181,10 +182,45 @@ class PipelineExecutor:
                 raise ValueError(f"pipeline: a micro-batch of {n} samples does not split into "
                                  f"pipeline.microbatches = {m} equal parts; make "
                                  f"global_batch_size divisible by dp x grad_accum x {m}")
+            self._piece = n // m  # evaluation cuts its batches to this (one shape per link)
             xs, ys = x.split(n // m), y.split(n // m)
             micro = [(a, b, weight / m) for a, b in zip(xs, ys)]
             dp_part.set_final(last)  # only the step's last run reduces
             local += self.engine.run(self.actions, micro, loss_fn, precision)
+        return local if self.is_last else 0.0
+
+    def forward_loss(self, dp_part, micro_batches, loss_fn, precision) -> float:
+        """Evaluation (collective over the pipeline, and over dp for sharded units): each
+        micro-batch cut into pieces of the training's piece size (the last padded with
+        copies of a row: the links carry one shape), run forward-only; the loss of a piece
+        counts only its real rows. This rank's units are gathered once for the whole
+        evaluation rather than per action: the dp replicas' parts differ in size, so their
+        piece counts do."""
+        units = list(range(len(self.unit_specs())))
+        dp_part.gather_units(units)
+        p, v, rank = self.engine.p, self.engine.v, self.engine.rank
+        local = 0.0
+
+        def real_rows(out, y):  # a padded piece's loss: its real rows only
+            return loss_fn(out[:y.shape[0]], y)
+
+        try:
+            for x, y, weight in micro_batches:
+                n = x.shape[0]
+                if n == 0:  # every stage of this pipeline has the same (empty) part
+                    continue
+                size = self._piece or -(-n // self.opts.microbatches)
+                pieces = []
+                for a in range(0, n, size):
+                    xa, ya = x[a:a + size], y[a:a + size]
+                    k = xa.shape[0]
+                    if k < size:
+                        xa = torch.cat([xa, xa[:1].expand(size - k, *xa.shape[1:])])
+                    pieces.append((xa, ya, weight * k / n))
+                actions = sched.forward_only(p, len(pieces), v, rank)
+                local += self.engine.forward(actions, pieces, real_rows, precision)
+        finally:
+            dp_part.free_units(units)
         return local if self.is_last else 0.0
 
     def memory_report(self, dp_part) -> dict:

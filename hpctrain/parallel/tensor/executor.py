@@ -49,6 +49,10 @@ class TensorParallel:
         """The flavour's own loop: every tp rank runs the whole micro-batch (collective)."""
         return dp_part.forward_backward(micro_batches, loss_fn, precision)
 
+    def forward_loss(self, dp_part, micro_batches, loss_fn, precision) -> float:
+        """Evaluation: every tp rank forwards the whole micro-batch (collective)."""
+        return dp_part.forward_loss(micro_batches, loss_fn, precision)
+
     # -- whole tensors --
     def assemble(self, state: dict) -> dict:
         """state with every tp slice replaced by the whole tensor (collective over tp;

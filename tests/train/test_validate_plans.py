@@ -1,0 +1,34 @@
+"""Validation (``Trainer.validate``, and ``val_every`` during fit) gives one process's value
+under every plan family: the pipeline's forward-only schedule (pp x dp zero3, interleaved
+chunks), tensor parallel with sequence parallel over tp x dp, the domain split over dom x dp
+zero3, and fsdp. The held-out set's last batch is short, so some ranks' parts and some
+pipeline pieces are partly or wholly empty (padded pieces count only their real rows)."""
+
+import json
+
+import pytest
+import torch
+
+from tests.mpirun import run_mpi, run_single
+
+WORKER = "tests/train/validate_plans_worker.py"
+FOUR = ["pipeline-zero3", "tensor-dp", "domain-dp"]
+TWO = ["pipeline-interleaved", "fsdp"]
+
+
+def _run(tmp_path, name, ranks, cases):
+    out = tmp_path / f"{name}.json"
+    (run_mpi(ranks, [WORKER, str(out), *cases]) if ranks > 1 else
+     run_single([WORKER, str(out), *cases]))
+    return json.loads(out.read_text())
+
+
+@pytest.mark.mpi
+def test_validation_matches_one_process_under_every_plan(tmp_path):
+    want = _run(tmp_path, "single", 1, [f"single:{c}" for c in FOUR + TWO])
+    got = {**_run(tmp_path, "four", 4, FOUR), **_run(tmp_path, "two", 2, TWO)}
+    for case in FOUR + TWO:
+        (losses, val), (want_losses, want_val) = got[case], want[f"single:{case}"]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5,
+                                   atol=0, msg=case)
+        assert val == pytest.approx(want_val, rel=1e-5), case
