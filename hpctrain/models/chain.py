@@ -59,8 +59,23 @@ def split_model(model: nn.Module, sample: torch.Tensor | None = None) -> LayerSt
                         f"set's; the Python API: PipelineOptions.sample). {_FIX}")
     _check_covers(model, stack)
     if sample is not None:
-        check_chain(model, stack, sample)
+        output = check_chain(model, stack, sample)
+        _return_like(stack, output)
     return stack
+
+
+def _return_like(stack: LayerStack, output) -> None:
+    """Make the last layer return what the model's forward returns when that is a Hugging
+    Face output (``.logits`` in a ModelOutput): the pipeline's last stage then hands the loss
+    the same type every other plan does, so one ``loss_fn(output, target)`` serves all."""
+    if isinstance(output, torch.Tensor) or not hasattr(output, "logits"):
+        return
+    kind, last = type(output), stack.layers[-1]
+
+    def forward(root, x):
+        return kind(logits=last.forward(root, x))
+
+    stack.layers[-1] = PipeLayer(last.name, last.build, forward)
 
 
 # -- Hugging Face GPT-2 --
@@ -234,15 +249,16 @@ def _check_covers(model: nn.Module, stack: LayerStack) -> None:
                         f"{_EXPECTED}. {_FIX}")
 
 
-def check_chain(model: nn.Module, stack: LayerStack, sample: torch.Tensor) -> None:
+def check_chain(model: nn.Module, stack: LayerStack, sample: torch.Tensor):
     """Raise TypeError unless running the stack's layers in order on ``sample`` gives what
-    ``model(sample)`` gives (its ``.logits`` for a Hugging Face output), in eval mode."""
+    ``model(sample)`` gives (its ``.logits`` for a Hugging Face output), in eval mode.
+    Returns what ``model(sample)`` returned."""
     modes = {m: m.training for m in model.modules()}
     try:
         model.eval()
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            want = model(sample)
-            want = getattr(want, "logits", want)
+            output = model(sample)
+            want = getattr(output, "logits", output)
             x = sample
             for layer in stack.layers:
                 x = layer.forward(model, x)
@@ -262,3 +278,4 @@ def check_chain(model: nn.Module, stack: LayerStack, sample: torch.Tensor) -> No
                         f"({', '.join(l.name for l in stack.layers)}): running them one after "
                         f"the other differs from model(x) (by {diff}); expected {_EXPECTED}. "
                         f"{_FIX}")
+    return output

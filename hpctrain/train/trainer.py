@@ -16,6 +16,7 @@ from hpctrain.runtime.flight import RECORDER
 from hpctrain.runtime.timeline import TIMELINE, merge as merge_timeline
 from hpctrain.runtime.watchdog import start_watchdog
 from hpctrain.data.sampler import GlobalBatchSampler, collate
+from hpctrain.models.layers import LayerStack
 from hpctrain.models.registry import BuiltModel, build, build_deferred, build_layers
 from hpctrain.parallel.orchestrator import defer_init, has_deferred, parallelize
 from hpctrain.train.metrics import (SUMMARY_NAME, MetricsCSV, TensorBoardWriter,
@@ -131,6 +132,12 @@ class Trainer:
             po = options["pipeline"]
             po.sample, po.sample_target = x.to(world.device), y.to(world.device)
             po.loss_fn = self.built.loss_fn
+        elif self.plan.pipeline and not isinstance(self.built.model, LayerStack):
+            # A user's module (Trainer.fit): its split is checked against its forward on
+            # two samples, and a Hugging Face output type is kept (models/chain.py).
+            model, data = self.built.model, self.built.dataset
+            device = next(model.parameters()).device
+            options["pipeline"].sample = collate(data, range(min(2, len(data))))[0].to(device)
         if has_deferred(self.built.model) and world.is_main:
             print("hpctrain: deferred init: the model was built on the meta device; each rank "
                   "fills only the part it keeps, layer by layer", flush=True)

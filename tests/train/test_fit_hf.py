@@ -1,8 +1,10 @@
-"""A Hugging Face GPT-2 (tiny, random init; Llama passed too, left out for the suite's time)
-trained through hpctrain.Trainer.fit with a torch DataLoader, AdamW and warm-up + cosine:
-zero3 at 2 ranks and pipeline pp=2 follow one process; a fit stopped mid-epoch and resumed
-from its checkpoint reproduces the uninterrupted one (the schedule included), under single
-and zero3; the validation loss is equal."""
+"""Hugging Face GPT-2 and Llama (tiny, random init) trained through hpctrain.Trainer.fit with a
+torch DataLoader, AdamW and warm-up + cosine follow one process under ddp, zero3, fsdp and
+the pipeline (pp=2) at 2 ranks, with equal validation loss; the plain GPT2LMHeadModel, whose
+forward returns a ModelOutput, trains with one loss on ``output.logits`` under every plan
+(the pipeline's last stage returns the same type); a fit stopped mid-epoch and resumed from
+its checkpoint reproduces the uninterrupted one (the schedule included), under single and
+zero3. Two launches: every single-process case, then every 2-rank case."""
 
 import json
 
@@ -12,12 +14,14 @@ import torch
 from tests.mpirun import run_mpi, run_single
 
 WORKER = "tests/train/fit_hf_worker.py"
+PLANS = {"gpt2": ["zero3", "pipeline", "ddp"], "llama": ["fsdp", "pipeline"],
+         "gpt2-output": ["pipeline", "zero3"]}
 
 
-def _run(tmp_path, name, ranks, *args):
+def _run(tmp_path, name, ranks, cases):
     out = tmp_path / f"{name}.json"
-    (run_mpi(ranks, [WORKER, str(out), *args]) if ranks > 1 else
-     run_single([WORKER, str(out), *args]))
+    (run_mpi(ranks, [WORKER, str(out), *cases]) if ranks > 1 else
+     run_single([WORKER, str(out), *cases]))
     return json.loads(out.read_text())
 
 
@@ -27,16 +31,18 @@ def _close(got, want, what):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("which", ["gpt2"])  # llama: the same path (test_pipeline_any_model)
-def test_hf_models_through_fit_follow_one_process_and_resume_mid_epoch(tmp_path, which):
-    want = _run(tmp_path, "single", 1, "single", which)
-    assert len(want["losses"]) == 16 and want["losses"][-1] < want["losses"][0]
-    for strategy in ("zero3", "pipeline"):
-        got = _run(tmp_path, strategy, 2, strategy, which)
-        _close(got["losses"], want["losses"], f"{which} {strategy}")
-        _close([got["val"]], [want["val"]], f"{which} {strategy} validation")
-    if which == "gpt2":  # resume: steps 1-7, a checkpoint, then 8-16 in a new fit
-        for name, ranks in (("single", 1), ("zero3", 2)):
-            resumed = _run(tmp_path, f"resumed-{name}", ranks, name, which,
-                           str(tmp_path / f"ck-{name}"))
-            _close(resumed["losses"], want["losses"], f"resumed {name}")
+def test_hf_models_through_fit_follow_one_process_and_resume_mid_epoch(tmp_path):
+    resume = {n: f"{n}:gpt2:resume:{tmp_path / f'ck-{n}'}" for n in ("single", "zero3")}
+    want = _run(tmp_path, "single", 1, [f"single:{m}" for m in PLANS] + [resume["single"]])
+    got = _run(tmp_path, "two", 2,
+               [f"{s}:{m}" for m, plans in PLANS.items() for s in plans] + [resume["zero3"]])
+    for which, plans in PLANS.items():
+        ref = want[f"single:{which}"]
+        assert len(ref["losses"]) == 16 and ref["losses"][-1] < ref["losses"][0]
+        for strategy in plans:
+            run = got[f"{strategy}:{which}"]
+            _close(run["losses"], ref["losses"], f"{which} {strategy}")
+            _close([run["val"]], [ref["val"]], f"{which} {strategy} validation")
+    _close(want["single:gpt2-output"]["losses"], want["single:gpt2"]["losses"], "ModelOutput")
+    for name, result in (("single", want), ("zero3", got)):  # steps 1-7, a checkpoint, 8-16
+        _close(result[resume[name]]["losses"], want["single:gpt2"]["losses"], f"resumed {name}")

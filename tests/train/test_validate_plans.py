@@ -1,7 +1,8 @@
 """Validation (``Trainer.validate``, and ``val_every`` during fit) gives one process's value
 under every plan family: the pipeline's forward-only schedule (pp x dp zero3, interleaved
 chunks), tensor parallel with sequence parallel over tp x dp, the domain split over dom x dp
-zero3, and fsdp. The held-out set's last batch is short, so some ranks' parts and some
+zero3, and fsdp; and a user's convolutional model and DataLoaders through ``fit`` under dom x dp
+(validation during fit and after). The held-out set's last batch is short, so some ranks' parts and some
 pipeline pieces are partly or wholly empty (padded pieces count only their real rows)."""
 
 import json
@@ -12,7 +13,7 @@ import torch
 from tests.mpirun import run_mpi, run_single
 
 WORKER = "tests/train/validate_plans_worker.py"
-FOUR = ["pipeline-zero3", "tensor-dp", "domain-dp"]
+FOUR = ["pipeline-zero3", "tensor-dp", "domain-dp", "domain-fit"]
 TWO = ["pipeline-interleaved", "fsdp"]
 
 

@@ -11,7 +11,7 @@ import json
 import sys
 
 import torch
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader, Subset, TensorDataset
 
 import hpctrain
 
@@ -35,7 +35,45 @@ PLANS = {
 }
 
 
+class ConvNet(torch.nn.Module):
+    """A user's convolutional model (not a built-in): domain-parallel through fit()."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.body = torch.nn.Sequential(torch.nn.Conv2d(2, 6, 3, padding=1), torch.nn.GELU(),
+                                        torch.nn.GroupNorm(2, 6), torch.nn.Conv2d(6, 6, 5, padding=2),
+                                        torch.nn.GELU(), torch.nn.Conv2d(6, 1, 3, padding=1))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def fields(n: int, seed: int):
+    """(input fields, target fields) on a 12 x 10 grid: the target smooths the inputs."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 2, 12, 10, generator=g)
+    y = torch.nn.functional.avg_pool2d(x.sum(1, keepdim=True), 3, 1, 1)
+    return TensorDataset(x, y)
+
+
+def fit_user_conv(options: dict):
+    """Trainer.fit(user model, DataLoader, val DataLoader) under the domain split: the
+    validation every 2 steps and validate() after."""
+    trainer = hpctrain.Trainer(steps=4, lr=0.05, optimizer="sgd", progress="off", out_dir="",
+                               **options)
+    val = DataLoader(fields(23, 9), batch_size=6)  # a short last batch
+    trainer.val_every = 2
+    summary = trainer.fit(ConvNet(), DataLoader(fields(48, 8), batch_size=8), val,
+                          loss_fn=torch.nn.functional.mse_loss)
+    return summary["losses"] + [v for _, v in summary["val_losses"]], \
+        trainer.validate(val)["val_loss"]
+
+
 def run(case: str, single: bool):
+    if case == "domain-fit":
+        return fit_user_conv(dict(strategy="single") if single else
+                             dict(mesh="dom=2,dp=2", dp_flavour="ddp"))
     options, settings = PLANS[case]
     if single:  # the same model and data; the plan's own tables do not apply
         options = dict(strategy="single")

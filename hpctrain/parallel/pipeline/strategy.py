@@ -202,7 +202,7 @@ class PipelineExecutor:
         local = 0.0
 
         def real_rows(out, y):  # a padded piece's loss: its real rows only
-            return loss_fn(out[:y.shape[0]], y)
+            return loss_fn(_first_rows(out, y.shape[0]), y)
 
         try:
             for x, y, weight in micro_batches:
@@ -299,6 +299,18 @@ class PipelineExecutor:
             value = buf.cpu()
             out.update({k: value for k in keys})
         return {k: out[k] for k in whole}
+
+
+def _first_rows(out, k: int):
+    """The first ``k`` rows of a stage's output: a tensor, or the tensors in a Hugging Face
+    ModelOutput / dict / tuple (the loss sees the type the model returns)."""
+    if isinstance(out, torch.Tensor):
+        return out[:k]
+    if isinstance(out, dict):  # ModelOutput is an OrderedDict of its set fields
+        return type(out)(**{key: _first_rows(v, k) for key, v in out.items()})
+    if isinstance(out, (tuple, list)):
+        return type(out)(_first_rows(v, k) for v in out)
+    return out
 
 
 def _layer_paths(layer) -> list[str]:
