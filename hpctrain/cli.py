@@ -185,9 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--no-torch", action="store_true", help="skip torch's tensor parallel")
     bt.add_argument("--json", dest="json_path", default="", metavar="PATH",
                     help="also write the table as JSON to PATH")
-    bsub.add_parser("plan", help="every plan `hpctrain plan` prices for a tiny gpt and a "
-                    "Linear stack, run one step: estimated vs measured bytes per rank "
-                    "(targets: states 10%%, activations 20%%); run under the launcher")
+    bpl = bsub.add_parser("plan", help="every plan `hpctrain plan` prices for a tiny gpt "
+                          "and a Linear stack, run one step: estimated vs measured bytes per "
+                          "rank (targets: states 10%%, activations 20%%); run under the "
+                          "launcher")
+    bpl.add_argument("--models", default="gpt,stack",
+                     help="which models: gpt, stack, hf-gpt2 (a tiny Hugging Face GPT-2, "
+                     "split as the pipeline splits it; needs transformers)")
     bh = bsub.add_parser("halo", help="halo exchange vs raw MPI Sendrecv; U-Net step time at "
                          "N ranks vs 1 on the same grid, with and without overlap")
     bh.add_argument("--size", type=int, default=512, help="exchange bench: global grid side")
@@ -461,7 +465,7 @@ def cmd_bench(args) -> int:
     if args.bench_command == "plan":
         from hpctrain.bench.plan import run as run_plan_bench
 
-        return run_plan_bench()
+        return run_plan_bench(models=tuple(m for m in args.models.split(",") if m))
     if args.bench_command == "tp":
         from hpctrain.bench.tensor import run as run_tp
 

@@ -47,6 +47,9 @@ def _square_loss(out, _target):
     return out.square().mean()
 
 
+DEFAULT_MODELS = ("gpt", "stack")
+
+
 def _models():
     """(name, shape, build(pipeline: bool) -> model, batch(n) -> (x, y), loss_fn)."""
     from hpctrain.models import gpt, registry
@@ -77,7 +80,42 @@ def _models():
         return torch.randn(n, w, generator=g), torch.zeros(n)
 
     return [("gpt", gpt_shape(**d), gpt_build, gpt_batch, gpt.lm_loss),
-            ("stack", stack, stack_build, stack_batch, _square_loss)]
+            ("stack", stack, stack_build, stack_batch, _square_loss), _hf_gpt2(gpt_batch)]
+
+
+def _hf_gpt2(gpt_batch):
+    """A tiny Hugging Face GPT-2 (random init, the gpt's dimensions), priced as `hpctrain
+    plan` prices a user's model: split into its layers (models/chain.py)."""
+    from hpctrain.models import gpt
+    from hpctrain.plan.model_shape import shape_of
+
+    spec = "hpctrain.bench.plan:hf_gpt2_factory"
+
+    def build(pipeline):
+        return hf_gpt2_factory()[0]
+
+    return ("hf-gpt2", lambda: shape_of(spec), build, gpt_batch, gpt.lm_loss)
+
+
+def hf_gpt2_factory():
+    """(tiny HF GPT-2 returning logits, token data, lm_loss): a user factory for the plan."""
+    import transformers
+
+    from hpctrain.data.synthetic import make_markov_tokens
+    from hpctrain.models import gpt
+
+    d = GPT_DIMS
+
+    class Logits(transformers.GPT2LMHeadModel):
+        def forward(self, input_ids):
+            return super().forward(input_ids=input_ids, use_cache=False).logits
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=d["vocab"], n_positions=d["seq"],
+                                  n_embd=d["hidden"], n_layer=d["layers"], n_head=d["heads"],
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                  bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+    return Logits(cfg), make_markov_tokens(64, d["seq"], d["vocab"], 0, 3), gpt.lm_loss
 
 
 def _measure(world, c, req, shape, build, batch, loss_fn, checkpointing: bool) -> tuple:
@@ -120,8 +158,10 @@ def measure_all(world, models=None, checkpointing=(False, True)) -> list:
                   precision="fp32", optimizer="adamw", global_batch=16, microbatches=4)
     rows = []
     for name, shape, build, batch, loss_fn in _models():
-        if models and name not in models:
+        if name not in (models or DEFAULT_MODELS):
             continue
+        if callable(shape):  # priced only when asked for (hf-gpt2 imports transformers)
+            shape = shape()
         plans, _ = candidates(shape, req)
         for c in plans:
             est = estimate(shape, c, req)
@@ -148,7 +188,7 @@ def table(rows: list, world_size: int) -> tuple[str, bool]:
     lines = [f"plan bench: {world_size} ranks, fp32 AdamW, global batch 16, pipeline 4 "
              f"micro-batches; gpt {GPT_DIMS}, stack {STACK['layers']} x Linear "
              f"{STACK['width']}; bytes per rank (max over ranks)",
-             f"  {'model':<6}{'plan':<31}{'AC':<4}{'states est':>11}{'measured':>10}"
+             f"  {'model':<8}{'plan':<31}{'AC':<4}{'states est':>11}{'measured':>10}"
              f"{'ratio':>7}{'':>6}{'activ est':>11}{'measured':>10}{'ratio':>7}{'':>6}"
              f"{'gathered est':>13}{'peak':>9}"]
     ok = True
@@ -156,7 +196,7 @@ def table(rows: list, world_size: int) -> tuple[str, bool]:
         sr, sv = _verdict(r["states_est"], r["states_measured"], STATES_TOLERANCE)
         ar, av = _verdict(r["act_est"], r["act_measured"], ACTIVATION_TOLERANCE)
         ok &= sv == av == "PASS"
-        lines.append(f"  {r['model']:<6}{r['plan']:<31}{'on' if r['checkpointing'] else 'off':<4}"
+        lines.append(f"  {r['model']:<8}{r['plan']:<31}{'on' if r['checkpointing'] else 'off':<4}"
                      f"{r['states_est']:>11,.0f}{r['states_measured']:>10,}{sr:>7.3f} {sv:<5}"
                      f"{r['act_est']:>11,.0f}{r['act_measured']:>10,}{ar:>7.3f} {av:<5}"
                      f"{r['gathered_est']:>13,.0f}{r['gathered_measured']:>9,}")

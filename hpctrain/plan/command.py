@@ -46,8 +46,11 @@ def add_parser(sub) -> None:
                    help="bytes per parameter under bf16/fp16: zero-paper (2+2+12, fp32 "
                    "master copy in the optimizer: DeepSpeed/Megatron style) or autocast "
                    "(hpctrain's own mixed precision: fp32 params, grads and state, 4+4+8)")
-    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
-    p.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (0: none)")
+    p.add_argument("--optimizer", default="adamw",
+                   help="any torch.optim optimizer by name (adamw, sgd, adagrad, ...); its "
+                   "state per parameter is measured on a probe")
+    p.add_argument("--momentum", type=float, default=0.0,
+                   help="momentum, for optimizers that take one (SGD, RMSprop; 0: none)")
     p.add_argument("--global-batch", type=int, default=32, help="samples per step")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     p.add_argument("--micro-batches", type=int, default=4,
@@ -82,8 +85,14 @@ def _shape(args):
 def _request(args):
     from hpctrain.plan.candidates import Request
 
+    from hpctrain.plan.estimate import optimizer_state_bytes
+
     if args.nodes < 1:
         raise PlanInputError(f"--nodes {args.nodes}: expected at least 1")
+    try:
+        optimizer_state_bytes(args.optimizer, args.momentum)
+    except ValueError as exc:
+        raise PlanInputError(str(exc)) from None
     rpn = args.ranks_per_node
     ranks = args.ranks if args.ranks is not None else args.nodes * rpn
     if ranks is None or ranks < 1:

@@ -14,8 +14,12 @@ bytes per parameter (p, g, o) from ``state_bytes`` (fp32 AdamW: 4+4+8; mixed: 2+
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from dataclasses import dataclass, field
+
+import torch
 
 from hpctrain.parallel.pipeline import schedule as pipe_schedule
 from hpctrain.plan.candidates import Candidate, Request
@@ -33,13 +37,36 @@ def state_bytes(precision: str, optimizer: str, momentum: float = 0.0,
     ``autocast``: hpctrain's own bf16/fp16, autocast over fp32 params, grads and state."""
     mixed = precision in ("bf16", "fp16") and not autocast
     p = g = 2 if mixed else 4
-    if optimizer == "adamw":
-        o = 8  # exp_avg + exp_avg_sq
-    elif optimizer == "sgd":
-        o = 4 if momentum else 0
-    else:
-        raise ValueError(f"optimizer {optimizer!r}: expected adamw or sgd")
-    return p, g, o + (4 if mixed else 0)
+    return p, g, optimizer_state_bytes(optimizer, momentum) + (4 if mixed else 0)
+
+
+@functools.lru_cache(maxsize=None)
+def optimizer_state_bytes(optimizer: str, momentum: float = 0.0) -> int:
+    """Bytes of optimizer state per fp32 parameter element, measured rather than tabled: the
+    torch.optim class (any, by name: AdamW 8, SGD 0 or 4 with momentum, Adagrad 4, Adadelta
+    8, ...) stepped twice over a probe parameter, counting the state tensors shaped like it
+    (per-parameter scalars such as ``step`` are negligible). ValueError for an unknown name."""
+    from hpctrain.config import ConfigError
+    from hpctrain.train.strategy import UNDRIVABLE, optimizer_class
+
+    try:
+        cls = optimizer_class(optimizer)
+    except ConfigError as exc:
+        raise ValueError(str(exc).replace("train.optimizer", "--optimizer")) from None
+    if cls.__name__ in UNDRIVABLE:
+        raise ValueError(f"optimizer {cls.__name__}: hpctrain cannot train with it "
+                         f"({UNDRIVABLE[cls.__name__]})")
+    probe = torch.nn.Parameter(torch.zeros(64))
+    kwargs = {"lr": 1e-3}
+    if "momentum" in inspect.signature(cls).parameters:
+        kwargs["momentum"] = momentum
+    opt = cls([probe], **kwargs)
+    for _ in range(2):
+        probe.grad = torch.ones(64)
+        opt.step()
+    state = opt.state[probe].values()
+    return sum(t.element_size() * t.numel() // probe.numel() for t in state
+               if torch.is_tensor(t) and t.shape == probe.shape)
 
 
 def activation_bytes(precision: str) -> int:

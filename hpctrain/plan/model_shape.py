@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from hpctrain.models.chain import split_model
 from hpctrain.models.layers import LayerStack, PipeLayer, from_sequential
 from hpctrain.plan.saved import SavedTensorMeter
 
@@ -172,11 +173,24 @@ def shape_of(spec: str, options: dict | None = None) -> ModelShape:
     if isinstance(model, nn.Sequential):
         return stack_shape(spec, options, from_sequential(model), x.unsqueeze(0),
                            y.unsqueeze(0), built.loss_fn, whole=model)
-    # One layer: the whole model (no pipeline split), its blocks found inside it.
-    whole = LayerStack([PipeLayer("model", lambda: {"model": model},
-                                  lambda root, inp: root.model(inp))])
-    return stack_shape(spec, options, whole, x.unsqueeze(0), y.unsqueeze(0), built.loss_fn,
-                       pipelinable=False)
+    sample, target = x.unsqueeze(0), y.unsqueeze(0)
+    try:  # a chain (Hugging Face GPT-2/Llama, embeddings -> blocks -> head): its layers
+        stack = split_model(model, torch.stack([torch.as_tensor(x)] * 2))
+    except TypeError:
+        stack = None
+    try:
+        if stack is not None:
+            return stack_shape(spec, options, stack, sample, target, built.loss_fn,
+                               whole=model)
+        # One layer: the whole model (no pipeline split), its blocks found inside it.
+        whole = LayerStack([PipeLayer("model", lambda: {"model": model},
+                                      lambda root, inp: root.model(inp))])
+        return stack_shape(spec, options, whole, sample, target, built.loss_fn,
+                           pipelinable=False)
+    except (RuntimeError, NotImplementedError) as exc:  # e.g. .item() in the forward
+        raise ShapeError(f"{spec}: its forward does not run on the meta device, where the "
+                         f"plan prices activations ({type(exc).__name__}: {exc}); describe it "
+                         f"as a models.layers.LayerStack or an nn.Sequential") from None
 
 
 def _tensors(stack: LayerStack, whole: nn.Module | None = None) -> list:

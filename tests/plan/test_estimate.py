@@ -32,9 +32,19 @@ def _args(*flags):
     ("bf16", "adamw", 0.0, (2, 2, 12)),    # ZeRO's K = 12
     ("fp16", "sgd", 0.9, (2, 2, 8)),       # fp32 master + momentum
     ("fp32", "sgd", 0.0, (4, 4, 0)),
+    ("fp32", "Adagrad", 0.0, (4, 4, 4)),   # any torch.optim class: its state is measured
+    ("bf16", "rmsprop", 0.9, (2, 2, 12)),  # square average + momentum buffer + master
+    ("fp32", "adadelta", 0.0, (4, 4, 8)),
 ])
 def test_state_bytes_per_parameter(precision, optimizer, momentum, expected):
     assert state_bytes(precision, optimizer, momentum) == expected
+
+
+def test_an_optimizer_hpctrain_cannot_train_with_is_refused():
+    with pytest.raises(ValueError, match="not a torch.optim optimizer"):
+        state_bytes("fp32", "adamm")
+    with pytest.raises(ValueError, match="closure"):
+        state_bytes("fp32", "lbfgs")
 
 
 def test_autocast_states_are_fp32_whatever_the_precision():
@@ -140,6 +150,22 @@ def test_meta_forward_prices_a_sequential_model():
                                  .parameters())
     assert [layer.is_block for layer in shape.layers] == [False, True, True, True, False]
     assert all(layer.saved for layer in shape.layers)
+
+
+@pytest.mark.parametrize("factory", ["gpt2_factory", "llama_factory"])
+def test_hugging_face_models_are_priced_layer_by_layer(factory):
+    # split as the pipeline splits them (models/chain.py), so pipeline plans are priced too;
+    # their forwards (masks built with .item()) do not run whole on the meta device
+    from tests.fixtures import hf_models
+
+    shape = shape_of(f"tests.fixtures.hf_models:{factory}")
+    model = getattr(hf_models, factory)()[0]
+    assert shape.pipelinable and len(shape.layers) == hf_models.LAYERS + 3  # + emb, norm, head
+    assert shape.params() == sum(p.numel() for p in model.parameters())  # tied: once
+    assert sum(layer.is_block for layer in shape.layers) == hf_models.LAYERS
+    assert all(layer.saved for layer in shape.layers if layer.is_block)
+    labels = [c.label() for c in candidates(shape, Request(4, 4, 1, global_batch=16))[0]]
+    assert "pp2:1f1b ddpx2" in labels and "pp4:1f1b" in labels
 
 
 def test_every_candidate_validates_and_impossible_ones_are_left_out():
