@@ -35,7 +35,7 @@ def gpt2_output_factory():
 
 
 MODELS = {"gpt2": hf_models.gpt2_factory, "llama": hf_models.llama_factory,
-          "gpt2-output": gpt2_output_factory}
+          "gpt2-output": gpt2_output_factory, "llama-tp": hf_models.llama_tp_factory}
 
 
 class StopAfter(hpctrain.Callback):

@@ -2,7 +2,8 @@
 torch DataLoader, AdamW and warm-up + cosine follow one process under ddp, zero3, fsdp and
 the pipeline (pp=2) at 2 ranks, with equal validation loss; the plain GPT2LMHeadModel, whose
 forward returns a ModelOutput, trains with one loss on ``output.logits`` under every plan
-(the pipeline's last stage returns the same type); a fit stopped mid-epoch and resumed from
+(the pipeline's last stage returns the same type); Llama trains under tensor parallel
+(tp=2) from the plan the HF model carries (model._tp_plan, translated); a fit stopped mid-epoch and resumed from
 its checkpoint reproduces the uninterrupted one (the schedule included), under single and
 zero3. Two launches: every single-process case, then every 2-rank case."""
 
@@ -15,7 +16,7 @@ from tests.mpirun import run_mpi, run_single
 
 WORKER = "tests/train/fit_hf_worker.py"
 PLANS = {"gpt2": ["zero3", "pipeline", "ddp"], "llama": ["fsdp", "pipeline"],
-         "gpt2-output": ["pipeline", "zero3"]}
+         "gpt2-output": ["pipeline", "zero3"], "llama-tp": ["tensor"]}
 
 
 def _run(tmp_path, name, ranks, cases):

@@ -10,6 +10,7 @@ from torch import nn
 
 from hpctrain.models.dropout import Dropout
 from hpctrain.models.layers import LayerStack
+from hpctrain.parallel.tensor import hf_plan
 from hpctrain.parallel.tensor.loss import is_cross_entropy
 from hpctrain.parallel.tensor.styles import match_plan, parse_plan
 
@@ -116,7 +117,8 @@ def check(model, options: TensorOptions | None, tp: int, loss_fn=None) -> tuple:
     vocabulary of a vocab_head or None). Pure: every rank raises the same ValueError, before
     any communication."""
     opts = options or TensorOptions()
-    plan = opts.plan or getattr(model, "tp_plan", None) or {}
+    # a Hugging Face model also has a tp_plan property: its own styles, translated first
+    plan = opts.plan or hf_plan.plan_of(model) or getattr(model, "tp_plan", None) or {}
     if not plan:
         raise ValueError(f"tensor parallel (tp={tp}): the model {type(model).__name__} has no "
                          f"tensor-parallel plan; give one in [tensor.plan] (module-name "
