@@ -37,6 +37,7 @@ FSDP_PREFETCH = ("BACKWARD_PRE", "NONE")
 FSDP_DTYPES = ("", "fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw")  # the usual two; any torch.optim class is accepted
 PRECISIONS = ("fp32", "bf16", "fp16")
+LOSS_WEIGHTS = ("samples", "tokens")
 PROGRESS = ("auto", "on", "off")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -106,6 +107,13 @@ class TrainSection:
                              "the model on the meta device and fill only what each rank keeps "
                              "(built-in models; a user factory builds its model whole)")
     max_grad_norm: float = _f(0.0, "clip gradients to this global L2 norm (0: off)", min=0.0)
+    loss_weight: str = _f("samples", "what the loss is a mean over: samples (each micro-batch "
+                          "weighted by its samples) or tokens (by its target elements other "
+                          "than ignore_index: exact for padded batches, whose samples hold "
+                          "different numbers of tokens; one scalar all-reduce per step)",
+                          choices=LOSS_WEIGHTS)
+    ignore_index: int = _f(-100, "loss_weight = tokens: the target value that marks padding "
+                           "(as torch's cross_entropy and Hugging Face labels)")
     nonfinite: str = _f("stop", f"a non-finite loss or gradient norm: stop (exit code "
                         f"{NONFINITE_EXIT_CODE}, no checkpoint from that state), skip (drop the "
                         f"step) or ignore", choices=NONFINITE_MODES)
@@ -290,6 +298,10 @@ class Config:
                 f"that split the batch; use --global-batch-size >= {t.grad_accum * batch_ranks}")
         if t.lr_schedule == "warmup_cosine":
             self._validate_warmup_cosine()
+        if t.loss_weight == "tokens" and plan.domain:
+            raise ConfigError("train.loss_weight = 'tokens' weights a loss by its valid target "
+                              "elements; the domain split weights each tile by its share of the "
+                              "grid (dense fields): use loss_weight = 'samples'")
         c = self.checkpoint
         if (c.every or c.resume == "auto") and not c.dir:
             raise ConfigError(

@@ -1,10 +1,12 @@
 """Deterministic global-batch sampler whose per-rank split never changes the global batch."""
 
 import operator
+from collections.abc import Mapping
 
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from .structure import check_batch, take_rows, zero_rows
 from .synthetic import TensorPairDataset
 
 __all__ = ["GlobalBatchSampler", "CollatedDataset", "collate"]
@@ -125,12 +127,19 @@ def collate(dataset, indices):
         return dataset.collate_indices(indices.tolist())
     if indices.numel() == 0:
         # Shapes and dtypes come from the first item so empty ranks still match the others.
-        x0, y0 = (torch.as_tensor(v) for v in dataset[0])
-        return (torch.empty((0, *x0.shape), dtype=x0.dtype),
-                torch.empty((0, *y0.shape), dtype=y0.dtype))
+        return tuple(zero_rows(_item(v)) for v in dataset[0])
     items = [dataset[i] for i in indices.tolist()]
     return (torch.stack([torch.as_tensor(x) for x, _ in items]),
             torch.stack([torch.as_tensor(y) for _, y in items]))
+
+
+def _item(v):
+    """A data set item's input or target as tensors: a structure of tensors (a dict, or a
+    tuple of tensors) as it is, anything else (numbers, lists, arrays) through as_tensor."""
+    if isinstance(v, (torch.Tensor, Mapping)) or (
+            isinstance(v, (tuple, list)) and v and all(isinstance(t, torch.Tensor) for t in v)):
+        return v
+    return torch.as_tensor(v)
 
 
 class CollatedDataset(Dataset):
@@ -146,13 +155,16 @@ class CollatedDataset(Dataset):
 
     def collate_indices(self, indices):
         batch = self.collate_fn([self.dataset[i] for i in indices])
-        if not (isinstance(batch, (tuple, list)) and len(batch) == 2
-                and all(isinstance(t, torch.Tensor) for t in batch)):
-            raise TypeError(f"the DataLoader's collate_fn returned a {type(batch).__name__}; "
-                            f"hpctrain trains on (input, target) tensor pairs: make collate_fn "
-                            f"return (inputs, targets)")
+        problem = (None if isinstance(batch, (tuple, list)) and len(batch) == 2
+                   else f"it returned a {type(batch).__name__}, not an (inputs, targets) pair")
+        problem = problem or check_batch(batch)
+        if problem:
+            raise TypeError(f"the DataLoader's collate_fn does not give a batch hpctrain can "
+                            f"train on: {problem}. Make it return (inputs, targets): each a "
+                            f"tensor, or a dict/tuple of tensors with one row per sample "
+                            f"(a dict of inputs is passed to the model as keywords)")
         return batch[0], batch[1]
 
     def __getitem__(self, i):
         x, y = self.collate_indices([i])
-        return x[0], y[0]
+        return take_rows(x, 0), take_rows(y, 0)

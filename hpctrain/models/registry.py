@@ -47,8 +47,14 @@ def describe():
 
 
 def detect_unit(dataset):
-    """("tokens", target.numel()) for multi-element integer targets, else ("samples", 1)."""
-    target = torch.as_tensor(dataset[0][1])
+    """("tokens", target.numel()) for multi-element integer targets (a dict's "labels"),
+    else ("samples", 1)."""
+    target = dataset[0][1]
+    if isinstance(target, dict):
+        target = target.get("labels")
+    if target is None or isinstance(target, (dict, tuple)):
+        return "samples", 1
+    target = torch.as_tensor(target)
     if not (target.is_floating_point() or target.is_complex() or target.dtype == torch.bool) \
             and target.numel() > 1:
         return "tokens", int(target.numel())

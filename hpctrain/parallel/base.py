@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from hpctrain.data.structure import call_model, rows
 from hpctrain.runtime.abort import set_context
 
 __all__ = ["OptimizerFactory", "Parallelized", "DPGroups"]
@@ -114,7 +115,7 @@ class Parallelized:
         for x, y, weight in micro_batches:
             set_context(phase="forward")  # named in flight records and stall reports
             with precision.autocast():
-                loss = loss_fn(self.model(x), y)
+                loss = loss_fn(call_model(self.model, x), y)
             set_context(phase="backward")
             self.backward(precision.scale(loss * weight))
             local += float(loss.detach()) * weight
@@ -129,8 +130,8 @@ class Parallelized:
         with torch.no_grad():
             for x, y, weight in micro_batches:
                 with precision.autocast():
-                    out = self.model(x)
-                    if x.shape[0]:
+                    out = call_model(self.model, x)
+                    if rows(x):
                         local += float(loss_fn(out, y)) * weight
         return local
 

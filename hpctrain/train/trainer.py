@@ -16,6 +16,7 @@ from hpctrain.runtime.flight import RECORDER
 from hpctrain.runtime.timeline import TIMELINE, merge as merge_timeline
 from hpctrain.runtime.watchdog import start_watchdog
 from hpctrain.data.sampler import GlobalBatchSampler, collate
+from hpctrain.data.structure import to_device
 from hpctrain.models.layers import LayerStack
 from hpctrain.models.registry import BuiltModel, build, build_deferred, build_layers
 from hpctrain.parallel.orchestrator import defer_init, has_deferred, parallelize
@@ -28,6 +29,7 @@ from hpctrain.train.progress import Progress
 from hpctrain.train.report import report_after_training
 from hpctrain.train.schedule import make_schedule
 from hpctrain.train.strategy import make_optimizer_factory, plan_options
+from hpctrain.train.weighting import LossWeighting
 
 __all__ = ["Trainer", "build_model", "run_dir", "NonFiniteError"]
 
@@ -146,6 +148,11 @@ class Trainer:
                   f"being split: deferred init needs a model described layer by layer (the "
                   f"built-in gpt and mlp, or a factory returning a models.layers.LayerStack); "
                   f"a factory's nn.Module exists whole once it is returned", flush=True)
+        self.weighting = LossWeighting(t.loss_weight, t.ignore_index)
+        self.loss_fn = self.weighting.wrap(self.built.loss_fn)
+        if self.plan.pipeline and self.weighting.tokens:  # its pieces count by tokens too
+            options["pipeline"].unit_count = self.weighting.count
+        self._check_inputs()
         self.par = parallelize(self.plan, self.built.model, make_optimizer_factory(t), world,
                                options, activation_checkpointing=t.activation_checkpointing)
         self.schedule = make_schedule(self.par.optimizer, t)
@@ -169,6 +176,19 @@ class Trainer:
                 resume, self.par, world, self.sampler, self.precision.scaler, self.schedule)
             if world.is_main:
                 print(f"hpctrain: resumed from {resume} at step {self.start_step}", flush=True)
+
+    def _check_inputs(self) -> None:
+        """Structured inputs (a dict passed as keywords, a tuple as positions) run where the
+        model is called whole; the pipeline and the domain split cut one input tensor."""
+        if not (self.plan.pipeline or self.plan.domain):
+            return
+        x = self.built.dataset[0][0]
+        if not torch.is_tensor(x) and not isinstance(x, (int, float, list)):
+            kind = "pipeline" if self.plan.pipeline else "domain"
+            raise UsageError(f"plan {self.plan.name!r}: the {kind} split passes one input "
+                             f"tensor through the model, but a sample's input is a "
+                             f"{type(x).__name__}; give the model one tensor (e.g. input_ids), "
+                             f"or use a data-parallel or tensor plan")
 
     def save(self, step: int, losses: list[float]) -> str:
         """Write a checkpoint of the state after `step` steps (collective).
@@ -236,21 +256,34 @@ class Trainer:
         return (checkpoint.latest(c.dir) if c.dir else None) or "none"
 
     def _micro_batches(self, step: int):
-        """Yield (x, y, weight) for this rank's micro-batches of `step`."""
-        t, b = self.cfg.train, self.built
-        for indices in self.sampler.micro_batches(step):
-            weight = len(indices) / t.global_batch_size
-            if weight == 0:
-                continue
-            x, y = self.par.load_batch(b.dataset, indices)
-            yield (x.to(self.world.device, non_blocking=True),
-                   y.to(self.world.device, non_blocking=True), weight)
+        """Yield (x, y, weight) for this rank's micro-batches of `step`: weight is the
+        micro-batch's share of the global batch's samples, or of its valid tokens
+        (train.loss_weight = tokens: the step's micro-batches are read first, and their
+        count is all-reduced once)."""
+        t, b, device = self.cfg.train, self.built, self.world.device
+        loaded = ((len(indices), self.par.load_batch(b.dataset, indices))
+                  for indices in self.sampler.micro_batches(step) if len(indices))
+        if self.weighting.tokens:
+            loaded = list(loaded)
+            counts = [self.weighting.count(y) for _, (_, y) in loaded]
+            total = self._global_count(sum(counts))
+            weights = self.weighting.weights(counts, total)
+        for i, (n, (x, y)) in enumerate(loaded):
+            weight = weights[i] if self.weighting.tokens else n / t.global_batch_size
+            yield to_device(x, device, True), to_device(y, device, True), weight
+
+    def _global_count(self, local: int) -> float:
+        """The sum of ``local`` over the distinct data parts (collective): ranks that read
+        the same samples (pipeline stages, tp and dom ranks of a replica) count once."""
+        _, parts = self.par.data_shard(self.world)
+        copies = self.world.size // parts
+        return self.world.host.allreduce_scalars([float(local)])[0] / copies
 
     def _train_step(self, step: int) -> float:
         """Run one optimizer step; return the global mean loss (all-reduced before the
         optimizer steps, for the non-finite guard: train/nonfinite.py)."""
         set_context(phase="forward")  # strategies mark "backward" where it begins
-        local = self.par.forward_backward(self._micro_batches(step), self.built.loss_fn, self.precision)
+        local = self.par.forward_backward(self._micro_batches(step), self.loss_fn, self.precision)
         loss = self.world.host.allreduce_scalars([local])[0]
         self.guard.step, self.guard.loss = step + 1, loss
         set_context(phase="optimizer")
@@ -364,19 +397,24 @@ class Trainer:
         one reduction at the end. Collective. The same value under every plan."""
         rank, ranks = self.par.data_shard(self.world)
         model, device, n = self.par.model, self.world.device, len(dataset)
+        loss_fn, count = self.weighting.wrap(loss_fn), self.weighting.count
         was_training = model.training
         model.eval()
-        total = 0.0
+        total = units = 0.0
         try:
             for start in range(0, n, batch_size):
                 mine = list(range(start, min(start + batch_size, n)))[rank::ranks]
                 x, y = self.par.load_batch(dataset, mine)
-                total += self.par.forward_loss([(x.to(device), y.to(device), len(mine))],
-                                               loss_fn, self.precision)
+                k = count(y) if mine else 0  # samples, or valid tokens: the loss's mean
+                total += self.par.forward_loss([(to_device(x, device), to_device(y, device),
+                                                 k)], loss_fn, self.precision)
+                units += k
         finally:
             model.train(was_training)
-        total = self.world.host.allreduce_scalars([total])[0]
-        return total / n if n else float("nan")
+        # the loss is reported once per sample (tp rank 0, the last stage); counts by all
+        total, units = self.world.host.allreduce_scalars([total, units])
+        units /= self.world.size // ranks
+        return total / units if units else float("nan")
 
     def _validate_during_fit(self, step: int, events) -> None:
         dataset, batch_size, loss_fn, _ = self.validation

@@ -197,3 +197,24 @@ def test_vocab_parallel_cross_entropy_precision(dtype, loss_dtype, tol):
     assert abs(loss.item() - ref.item()) <= tol * abs(ref.item())
     torch.testing.assert_close(x.grad.double(), ref_x.grad, rtol=0,
                                atol=tol if dtype != torch.bfloat16 else 1e-2)
+
+
+def test_vocab_parallel_cross_entropy_ignores_padding_as_torch_does():
+    # targets of -100 (Hugging Face labels at padding) count neither in the mean nor in
+    # the gradient; a batch of padding only gives 0 (not NaN), still a function of the logits
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(12, 10, generator=g, dtype=torch.float64)
+    tgt = torch.randint(0, 10, (12,), generator=g)
+    tgt[[1, 5, 6]] = -100
+    x = logits.clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(x, tgt, _One(), 0)
+    loss.backward()
+    ref_x = logits.clone().requires_grad_()
+    ref = F.cross_entropy(ref_x, tgt)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) <= 1e-14 * abs(ref.item())
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=0, atol=1e-15)
+    x.grad = None
+    none = vocab_parallel_cross_entropy(x, torch.full((12,), -100), _One(), 0)
+    none.backward()
+    assert none.item() == 0.0 and x.grad is not None and not x.grad.any()

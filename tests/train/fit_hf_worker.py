@@ -34,8 +34,65 @@ def gpt2_output_factory():
     return plain, hf_models._tokens(), lambda out, y: lm_loss(out.logits, y)
 
 
+class Padded(torch.utils.data.Dataset):
+    """Markov token sequences cut to random lengths and right-padded: items are
+    ({"input_ids", "attention_mask"}, labels with -100 at the padding), as a tokenizer and
+    a Hugging Face collator give them. Samples hold 4 to 16 tokens, so a mean over tokens
+    is not a mean over samples (train.loss_weight = tokens)."""
+
+    def __init__(self, vocab):
+        from hpctrain.data.synthetic import make_markov_tokens
+
+        self.tokens = make_markov_tokens(hf_models.SAMPLES, hf_models.SEQ_LEN, vocab, 0, 3)
+        g = torch.Generator().manual_seed(4)
+        self.lengths = torch.randint(4, hf_models.SEQ_LEN + 1, (len(self.tokens),), generator=g)
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        x, y = self.tokens[i]
+        real = torch.arange(len(x)) < self.lengths[i]
+        return ({"input_ids": x.masked_fill(~real, 0), "attention_mask": real.long()},
+                y.masked_fill(~real, -100))
+
+
+class PaddedIds(Padded):
+    """Padded's samples with the input_ids tensor alone (a causal model needs no mask for
+    right padding): what the pipeline, which passes one tensor between stages, takes."""
+
+    def __getitem__(self, i):
+        x, y = super().__getitem__(i)
+        return x["input_ids"], y
+
+
+def padded_ids_factory():
+    model, _, loss = hf_models.gpt2_factory()
+    return model, PaddedIds(model.config.vocab_size), loss
+
+
+def padded_factory(kind):
+    """A plain HF model called with keywords (input_ids, attention_mask), its ModelOutput's
+    logits against labels with padding ignored."""
+    def make():
+        from transformers import GPT2LMHeadModel, LlamaForCausalLM
+
+        model = hf_models.gpt2_model() if kind == "gpt2" else hf_models.llama_model(vocab=98)
+        plain = (GPT2LMHeadModel if kind == "gpt2" else LlamaForCausalLM)(model.config)
+        plain.load_state_dict(model.state_dict())
+        data = Padded(model.config.vocab_size)
+
+        def loss(out, y):
+            return lm_loss(out.logits, y)
+        loss.cross_entropy = True  # tensor parallel may run it on vocabulary-parallel logits
+        return plain, data, loss
+    return make
+
+
 MODELS = {"gpt2": hf_models.gpt2_factory, "llama": hf_models.llama_factory,
-          "gpt2-output": gpt2_output_factory, "llama-tp": hf_models.llama_tp_factory}
+          "gpt2-output": gpt2_output_factory, "llama-tp": hf_models.llama_tp_factory,
+          "gpt2-padded": padded_factory("gpt2"), "llama-padded": padded_factory("llama"),
+          "gpt2-padded-by-samples": padded_factory("gpt2"), "gpt2-padded-ids": padded_ids_factory}
 
 
 class StopAfter(hpctrain.Callback):
@@ -46,9 +103,10 @@ class StopAfter(hpctrain.Callback):
         trainer.should_stop = step >= self.step
 
 
-def _trainer(strategy, steps, **more):
+def _trainer(strategy, steps, tokens=False, **more):
+    settings = {**SCHEDULE, **({"train.loss_weight": "tokens"} if tokens else {})}
     return hpctrain.Trainer(strategy=strategy, steps=steps, lr=3e-3, optimizer="adamw",
-                            progress="off", out_dir="", set=dict(SCHEDULE), **more)
+                            progress="off", out_dir="", set=settings, **more)
 
 
 def run(case: str) -> dict:
@@ -57,7 +115,7 @@ def run(case: str) -> dict:
     model, data, loss = make()
     loader = DataLoader(data, batch_size=16, shuffle=True)
     if not resume:
-        trainer = _trainer(strategy, 16)
+        trainer = _trainer(strategy, 16, tokens="padded" in which and "by-samples" not in which)
         summary = trainer.fit(model, loader, loss_fn=loss)
         # batches of 24: the last one (16) pads the pipeline's last piece
         val = trainer.validate(DataLoader(data, batch_size=24))["val_loss"]

@@ -5,7 +5,10 @@ forward returns a ModelOutput, trains with one loss on ``output.logits`` under e
 (the pipeline's last stage returns the same type); Llama trains under tensor parallel
 (tp=2) from the plan the HF model carries (model._tp_plan, translated); a fit stopped mid-epoch and resumed from
 its checkpoint reproduces the uninterrupted one (the schedule included), under single and
-zero3. Two launches: every single-process case, then every 2-rank case."""
+zero3; padded batches (plain HF models called with input_ids and attention_mask, labels
+-100 at the padding) under zero3 and tensor parallel, and as one input tensor under the
+pipeline (its pieces weighted by their tokens), follow one process with
+train.loss_weight = tokens, and do not with the default sample weighting. Two launches: every single-process case, then every 2-rank case."""
 
 import json
 
@@ -16,7 +19,8 @@ from tests.mpirun import run_mpi, run_single
 
 WORKER = "tests/train/fit_hf_worker.py"
 PLANS = {"gpt2": ["zero3", "pipeline", "ddp"], "llama": ["fsdp", "pipeline"],
-         "gpt2-output": ["pipeline", "zero3"], "llama-tp": ["tensor"]}
+         "gpt2-output": ["pipeline", "zero3"], "llama-tp": ["tensor"],
+         "gpt2-padded": ["zero3"], "llama-padded": ["tensor"], "gpt2-padded-ids": ["pipeline"]}
 
 
 def _run(tmp_path, name, ranks, cases):
@@ -35,8 +39,8 @@ def _close(got, want, what):
 def test_hf_models_through_fit_follow_one_process_and_resume_mid_epoch(tmp_path):
     resume = {n: f"{n}:gpt2:resume:{tmp_path / f'ck-{n}'}" for n in ("single", "zero3")}
     want = _run(tmp_path, "single", 1, [f"single:{m}" for m in PLANS] + [resume["single"]])
-    got = _run(tmp_path, "two", 2,
-               [f"{s}:{m}" for m, plans in PLANS.items() for s in plans] + [resume["zero3"]])
+    got = _run(tmp_path, "two", 2, [f"{s}:{m}" for m, plans in PLANS.items() for s in plans]
+               + ["zero3:gpt2-padded-by-samples", resume["zero3"]])
     for which, plans in PLANS.items():
         ref = want[f"single:{which}"]
         assert len(ref["losses"]) == 16 and ref["losses"][-1] < ref["losses"][0]
@@ -45,5 +49,10 @@ def test_hf_models_through_fit_follow_one_process_and_resume_mid_epoch(tmp_path)
             _close(run["losses"], ref["losses"], f"{which} {strategy}")
             _close([run["val"]], [ref["val"]], f"{which} {strategy} validation")
     _close(want["single:gpt2-output"]["losses"], want["single:gpt2"]["losses"], "ModelOutput")
+    # the control: padded samples hold 4-16 tokens, so weighting the ranks' token means by
+    # samples is not one process's mean over tokens (the tokens weighting above is)
+    by_samples = torch.tensor(got["zero3:gpt2-padded-by-samples"]["losses"])
+    assert not torch.allclose(by_samples, torch.tensor(want["single:gpt2-padded"]["losses"]),
+                              rtol=1e-4, atol=0)
     for name, result in (("single", want), ("zero3", got)):  # steps 1-7, a checkpoint, 8-16
         _close(result[resume[name]]["losses"], want["single:gpt2"]["losses"], f"resumed {name}")

@@ -39,6 +39,9 @@ class PipelineOptions:
     sample: object = None           # one micro-batch input, for balance="measured"
     sample_target: object = None    # its target and the loss: "measured" times the loss
     loss_fn: object = None          # with the last layer, as the last stage runs it
+    # target -> the units its loss is a mean over (train.loss_weight): a piece of a
+    # micro-batch counts by its share of them (None: by its rows)
+    unit_count: object = None
 
     @property
     def chunks(self) -> int:
@@ -184,10 +187,19 @@ class PipelineExecutor:
                                  f"global_batch_size divisible by dp x grad_accum x {m}")
             self._piece = n // m  # evaluation cuts its batches to this (one shape per link)
             xs, ys = x.split(n // m), y.split(n // m)
-            micro = [(a, b, weight / m) for a, b in zip(xs, ys)]
+            micro = [(a, b, weight * share) for a, b, share in zip(xs, ys, self._shares(ys, y))]
             dp_part.set_final(last)  # only the step's last run reduces
             local += self.engine.run(self.actions, micro, loss_fn, precision)
         return local if self.is_last else 0.0
+
+    def _shares(self, pieces, whole) -> list:
+        """Each piece's share of its micro-batch's loss units (rows, or valid tokens)."""
+        count = self.opts.unit_count
+        if count is None:
+            n = whole.shape[0]
+            return [p.shape[0] / n for p in pieces]
+        total = count(whole)
+        return [count(p) / total if total else 0.0 for p in pieces]
 
     def forward_loss(self, dp_part, micro_batches, loss_fn, precision) -> float:
         """Evaluation (collective over the pipeline, and over dp for sharded units): each
@@ -210,13 +222,13 @@ class PipelineExecutor:
                 if n == 0:  # every stage of this pipeline has the same (empty) part
                     continue
                 size = self._piece or -(-n // self.opts.microbatches)
+                xs, ys = x.split(size), y.split(size)
                 pieces = []
-                for a in range(0, n, size):
-                    xa, ya = x[a:a + size], y[a:a + size]
+                for xa, ya, share in zip(xs, ys, self._shares(ys, y)):
                     k = xa.shape[0]
                     if k < size:
                         xa = torch.cat([xa, xa[:1].expand(size - k, *xa.shape[1:])])
-                    pieces.append((xa, ya, weight * k / n))
+                    pieces.append((xa, ya, weight * share))
                 actions = sched.forward_only(p, len(pieces), v, rank)
                 local += self.engine.forward(actions, pieces, real_rows, precision)
         finally:

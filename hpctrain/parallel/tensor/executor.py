@@ -33,7 +33,11 @@ class TensorParallel:
             raise ValueError(f"tensor parallel: loss {loss_fn!r} cannot run on "
                              f"vocabulary-parallel logits (see transform.check)")
         tp, start = self.tp, self.tp.rank * (self.vocab // self.tp.size)
-        return lambda logits, targets: vocab_parallel_cross_entropy(logits, targets, tp, start)
+
+        def loss(output, targets):  # a Hugging Face output holds its logits
+            logits = getattr(output, "logits", output)
+            return vocab_parallel_cross_entropy(logits, targets, tp, start)
+        return loss
 
     # -- executor of a tp x dp run (the pipeline is the executor under pp) --
     def data_shard(self, world) -> tuple[int, int]:

@@ -42,12 +42,20 @@ class _VocabParallelCE(torch.autograd.Function):
         return grad * g.unsqueeze(-1), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits, targets, comm, vocab_start: int):
+def vocab_parallel_cross_entropy(logits, targets, comm, vocab_start: int,
+                                 ignore_index: int = -100):
     """Mean cross-entropy of (..., V/tp) logit slices (vocabulary from ``vocab_start``)
-    against (...) targets over the whole vocabulary; equal on every tp rank (collective)."""
+    against (...) targets over the whole vocabulary, over the targets other than
+    ``ignore_index`` (padding, as torch's cross_entropy; a batch with none gives 0, still a
+    function of the logits); equal on every tp rank (collective)."""
     flat = logits.reshape(-1, logits.shape[-1])
-    loss = _VocabParallelCE.apply(flat, targets.reshape(-1), comm, int(vocab_start))
-    return loss.mean()
+    targets = targets.reshape(-1)
+    keep = targets != ignore_index
+    if bool(keep.all()):
+        return _VocabParallelCE.apply(flat, targets, comm, int(vocab_start)).mean()
+    # An ignored target becomes id 0 for the kernel; its loss (and gradient) is masked out.
+    loss = _VocabParallelCE.apply(flat, targets.masked_fill(~keep, 0), comm, int(vocab_start))
+    return (loss * keep).sum() / keep.sum().clamp(min=1)
 
 
 def is_cross_entropy(loss_fn) -> bool:

@@ -1,0 +1,58 @@
+"""Structured batches (dict / tuple inputs) and the loss weighting by samples or tokens:
+pure helpers, no MPI."""
+
+import pytest
+import torch
+
+from hpctrain.data.sampler import CollatedDataset, collate
+from hpctrain.data.structure import call_model, check_batch, rows, take_rows, to_device
+from hpctrain.train.weighting import LossWeighting
+
+
+class Keywords(torch.nn.Module):
+    def forward(self, input_ids, attention_mask):
+        return input_ids * attention_mask
+
+
+def _items(n=5):
+    return [({"input_ids": torch.arange(4) + i, "attention_mask": torch.ones(4, dtype=torch.long)},
+             torch.tensor([i, -100, i, -100])) for i in range(n)]
+
+
+def _collate(items):
+    return ({k: torch.stack([x[k] for x, _ in items]) for k in items[0][0]},
+            torch.stack([y for _, y in items]))
+
+
+def test_a_dict_input_is_called_as_keywords_and_split_by_rows():
+    data = CollatedDataset(_items(), _collate)
+    x, y = collate(data, [1, 3])
+    assert rows(x) == 2 and call_model(Keywords(), x).shape == (2, 4)
+    assert torch.equal(take_rows(x, 1)["input_ids"], torch.arange(4) + 3)
+    assert to_device(x, "cpu")["attention_mask"].dtype == torch.long
+    ex, ey = collate(data, [])  # an empty rank's part keeps the structure and dtypes
+    assert set(ex) == {"input_ids", "attention_mask"} and rows(ex) == 0 and ey.shape == (0, 4)
+    assert data[2][0]["input_ids"].tolist() == [2, 3, 4, 5]
+
+
+def test_a_collate_fn_that_gives_no_batch_is_one_clear_error():
+    bad = CollatedDataset(_items(), lambda items: [x for x, _ in items])
+    with pytest.raises(TypeError, match="not an \\(inputs, targets\\) pair"):
+        collate(bad, [0, 1, 2])
+    ragged = CollatedDataset(_items(), lambda items: (torch.zeros(3), torch.zeros(2)))
+    with pytest.raises(TypeError, match="different numbers of rows"):
+        collate(ragged, [0, 1, 2])
+    assert check_batch((torch.zeros(2, 3), {"a": torch.zeros(2)})) is None
+
+
+def test_tokens_weighting_counts_what_the_loss_averages():
+    y = torch.tensor([[1, -100, 2], [-100, -100, -100]])
+    samples, tokens = LossWeighting("samples"), LossWeighting("tokens", -100)
+    assert samples.count(y) == 2 and tokens.count(y) == 2 and tokens.count(y[1:]) == 0
+    assert tokens.count({"labels": y}) == 2
+    loss = tokens.wrap(lambda out, t: torch.nn.functional.cross_entropy(out, t.reshape(-1)))
+    out = torch.randn(3, 4, requires_grad=True)
+    zero = loss(out, y[1])  # no valid token: 0, not NaN, still a function of the output
+    zero.backward()
+    assert zero.item() == 0.0 and out.grad is not None
+    assert tokens.weights([2, 0, 6], 8.0) == [0.25, 0.0, 0.75]
