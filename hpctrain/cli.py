@@ -31,6 +31,9 @@ TRAIN_FLAGS = {
     "precision": ("train", "precision", str, "fp32, bf16 or fp16"),
     "grad_accum": ("train", "grad_accum", int, "micro-batches per optimizer step"),
     "max_grad_norm": ("train", "max_grad_norm", float, "clip to this global gradient norm"),
+    "loss_weight": ("train", "loss_weight", str, "samples (default) or tokens: the loss is a "
+                    "mean over the target elements other than train.ignore_index (padding), "
+                    "exact at any world size"),
     "nonfinite": ("train", "nonfinite", str, f"a non-finite loss or gradient norm: stop (exit "
                   f"code {NONFINITE_EXIT_CODE}), skip (at most train.nonfinite_max_skips "
                   f"steps in a row) or ignore"),
