@@ -7,7 +7,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from .synthetic import TensorPairDataset
 
-__all__ = ["GlobalBatchSampler", "CollatedDataset", "collate"]
+__all__ = ["GlobalBatchSampler", "CollatedDataset", "collate", "split_global_batch", "as_pair"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -84,8 +84,8 @@ class GlobalBatchSampler:
 
     def micro_batches(self, step):
         """This rank's indices for each of the `grad_accum` micro-batches of `step`."""
-        micros = torch.tensor_split(self.global_batch(step), self.grad_accum)
-        return [torch.tensor_split(m, self.world_size)[self.rank].clone() for m in micros]
+        return split_global_batch(self.global_batch(step), self.grad_accum, self.rank,
+                                  self.world_size)
 
     def __iter__(self):
         return self
@@ -110,8 +110,20 @@ class GlobalBatchSampler:
         self.step = step
 
 
+def split_global_batch(batch, grad_accum, rank, world_size):
+    """Rank `rank`'s part of each of the `grad_accum` micro-batches of `batch` (a 1-D tensor
+    of sample indices or row numbers): micro-batches first, then ranks, so the union over
+    ranks of micro-batch m is the same for any world size."""
+    micros = torch.tensor_split(batch, grad_accum)
+    return [torch.tensor_split(m, world_size)[rank].clone() for m in micros]
+
+
 def collate(dataset, indices):
     """Stack dataset items at `indices` into (inputs, targets); zero-length when empty."""
+    if (isinstance(dataset, TensorPairDataset) and isinstance(indices, range)
+            and indices == range(len(dataset))):
+        # A batch already read (data/loader.py): as is, so pinned memory stays pinned.
+        return dataset.inputs, dataset.targets
     if isinstance(indices, torch.Tensor):
         indices = indices.to(torch.int64).reshape(-1)
     else:
@@ -138,21 +150,26 @@ class CollatedDataset(Dataset):
     rank's part of a batch is collated by it, and item i is the one-sample batch's row, so
     an item is an (input, target) pair whatever the dataset's own items are."""
 
-    def __init__(self, dataset, collate_fn):
+    def __init__(self, dataset, collate_fn, loader=None):
         self.dataset, self.collate_fn = dataset, collate_fn
+        self.loader = loader  # the user's DataLoader: its workers read (data/loader.py)
 
     def __len__(self):
         return len(self.dataset)
 
     def collate_indices(self, indices):
-        batch = self.collate_fn([self.dataset[i] for i in indices])
-        if not (isinstance(batch, (tuple, list)) and len(batch) == 2
-                and all(isinstance(t, torch.Tensor) for t in batch)):
-            raise TypeError(f"the DataLoader's collate_fn returned a {type(batch).__name__}; "
-                            f"hpctrain trains on (input, target) tensor pairs: make collate_fn "
-                            f"return (inputs, targets)")
-        return batch[0], batch[1]
+        return as_pair(self.collate_fn([self.dataset[i] for i in indices]))
 
     def __getitem__(self, i):
         x, y = self.collate_indices([i])
         return x[0], y[0]
+
+
+def as_pair(batch):
+    """(inputs, targets) of a batch a DataLoader's collate_fn made; TypeError otherwise."""
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2
+            and all(isinstance(t, torch.Tensor) for t in batch)):
+        raise TypeError(f"the DataLoader's collate_fn returned a {type(batch).__name__}; "
+                        f"hpctrain trains on (input, target) tensor pairs: make collate_fn "
+                        f"return (inputs, targets)")
+    return batch[0], batch[1]

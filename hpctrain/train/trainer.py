@@ -15,6 +15,7 @@ from hpctrain.runtime.abort import set_context
 from hpctrain.runtime.flight import RECORDER
 from hpctrain.runtime.timeline import TIMELINE, merge as merge_timeline
 from hpctrain.runtime.watchdog import start_watchdog
+from hpctrain.data.loader import eval_source, train_reader
 from hpctrain.data.sampler import GlobalBatchSampler, collate
 from hpctrain.models.layers import LayerStack
 from hpctrain.models.registry import BuiltModel, build, build_deferred, build_layers
@@ -152,6 +153,9 @@ class Trainer:
         data_rank, data_ranks = self.par.data_shard(world)
         self.sampler = GlobalBatchSampler(len(self.built.dataset), t.global_batch_size, t.seed,
                                           data_rank, data_ranks, t.grad_accum)
+        # reads this rank's part of each micro-batch (data/loader.py); opened at the first
+        # step trained (a resumed run's), closed at the end of fit()
+        self.reader = train_reader(self.built.dataset, self.sampler, t.steps, self.par)
         self.start_step, self.history = 0, []
         # Training randomness (dropout masks) from the run's seed, the same on every rank:
         # the ranks splitting a model draw whole masks alike and keep their slices
@@ -237,14 +241,10 @@ class Trainer:
 
     def _micro_batches(self, step: int):
         """Yield (x, y, weight) for this rank's micro-batches of `step`."""
-        t, b = self.cfg.train, self.built
-        for indices in self.sampler.micro_batches(step):
-            weight = len(indices) / t.global_batch_size
-            if weight == 0:
-                continue
-            x, y = self.par.load_batch(b.dataset, indices)
-            yield (x.to(self.world.device, non_blocking=True),
-                   y.to(self.world.device, non_blocking=True), weight)
+        size, device = self.cfg.train.global_batch_size, self.world.device
+        for x, y, n in self.reader.micro_batches(step):  # empty parts are left out
+            yield (x.to(device, non_blocking=True), y.to(device, non_blocking=True),
+                   n / size)
 
     def _train_step(self, step: int) -> float:
         """Run one optimizer step; return the global mean loss (all-reduced before the
@@ -312,6 +312,7 @@ class Trainer:
                 self.save(last, losses)
             set_context(phase=None)
         finally:
+            self.reader.close()  # the loader's workers, also when a step failed
             if TIMELINE.enabled:  # this rank's file, also when a rank fails (its last events)
                 TIMELINE.write()
             if self.watchdog is not None:
@@ -361,18 +362,20 @@ class Trainer:
         Each data-parallel rank forwards its part of every batch (an empty part too: a
         sharded forward gathers with the others) through the plan's forward-only path
         (``forward_loss``: the pipeline's forward schedule, tensor and domain executors);
-        one reduction at the end. Collective. The same value under every plan."""
+        one reduction at the end. Collective. The same value under every plan.
+        ``dataset`` may be a validation source over a DataLoader instead (data/loader.py:
+        its workers, or a stream whose size is counted as it is read)."""
         rank, ranks = self.par.data_shard(self.world)
-        model, device, n = self.par.model, self.world.device, len(dataset)
+        model, device = self.par.model, self.world.device
+        source = eval_source(dataset, batch_size)
         was_training = model.training
         model.eval()
-        total = 0.0
+        total, n = 0.0, 0
         try:
-            for start in range(0, n, batch_size):
-                mine = list(range(start, min(start + batch_size, n)))[rank::ranks]
-                x, y = self.par.load_batch(dataset, mine)
-                total += self.par.forward_loss([(x.to(device), y.to(device), len(mine))],
-                                               loss_fn, self.precision)
+            for x, y, k, rows in source.parts(rank, ranks, self.par):
+                total += self.par.forward_loss([(x.to(device), y.to(device), k)], loss_fn,
+                                               self.precision)
+                n += rows  # the same on every rank
         finally:
             model.train(was_training)
         total = self.world.host.allreduce_scalars([total])[0]
