@@ -1,4 +1,5 @@
-"""hpctrain.data: synthetic data sets and the world-size-independent batch sampler."""
+"""hpctrain.data: synthetic data sets, the world-size-independent batch sampler, and the
+readers of a user's DataLoader (loader.py: workers, IterableDatasets)."""
 
 from .sampler import GlobalBatchSampler, collate
 from .synthetic import TensorPairDataset, make_classification, make_markov_tokens, seeded_generator

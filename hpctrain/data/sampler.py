@@ -9,7 +9,7 @@ from torch.utils.data import Dataset, TensorDataset
 from .structure import check_batch, take_rows, zero_rows
 from .synthetic import TensorPairDataset
 
-__all__ = ["GlobalBatchSampler", "CollatedDataset", "collate"]
+__all__ = ["GlobalBatchSampler", "CollatedDataset", "collate", "split_global_batch", "as_pair"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -86,8 +86,8 @@ class GlobalBatchSampler:
 
     def micro_batches(self, step):
         """This rank's indices for each of the `grad_accum` micro-batches of `step`."""
-        micros = torch.tensor_split(self.global_batch(step), self.grad_accum)
-        return [torch.tensor_split(m, self.world_size)[self.rank].clone() for m in micros]
+        return split_global_batch(self.global_batch(step), self.grad_accum, self.rank,
+                                  self.world_size)
 
     def __iter__(self):
         return self
@@ -112,15 +112,27 @@ class GlobalBatchSampler:
         self.step = step
 
 
+def split_global_batch(batch, grad_accum, rank, world_size):
+    """Rank `rank`'s part of each of the `grad_accum` micro-batches of `batch` (a 1-D tensor
+    of sample indices or row numbers): micro-batches first, then ranks, so the union over
+    ranks of micro-batch m is the same for any world size."""
+    micros = torch.tensor_split(batch, grad_accum)
+    return [torch.tensor_split(m, world_size)[rank].clone() for m in micros]
+
+
 def collate(dataset, indices):
     """Stack dataset items at `indices` into (inputs, targets); zero-length when empty."""
+    if (isinstance(dataset, TensorPairDataset) and isinstance(indices, range)
+            and indices == range(len(dataset))):
+        # A batch already read (data/loader.py): as is, so pinned memory stays pinned.
+        return dataset.inputs, dataset.targets
     if isinstance(indices, torch.Tensor):
         indices = indices.to(torch.int64).reshape(-1)
     else:
         indices = torch.as_tensor(list(indices), dtype=torch.int64)
     # Fast path: the data already sits in two tensors.
     if isinstance(dataset, TensorPairDataset):
-        return dataset.inputs[indices], dataset.targets[indices]
+        return take_rows(dataset.inputs, indices), take_rows(dataset.targets, indices)
     if isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2:
         return dataset.tensors[0][indices], dataset.tensors[1][indices]
     if isinstance(dataset, CollatedDataset) and indices.numel():
@@ -147,24 +159,30 @@ class CollatedDataset(Dataset):
     rank's part of a batch is collated by it, and item i is the one-sample batch's row, so
     an item is an (input, target) pair whatever the dataset's own items are."""
 
-    def __init__(self, dataset, collate_fn):
+    def __init__(self, dataset, collate_fn, loader=None):
         self.dataset, self.collate_fn = dataset, collate_fn
+        self.loader = loader  # the user's DataLoader: its workers read (data/loader.py)
 
     def __len__(self):
         return len(self.dataset)
 
     def collate_indices(self, indices):
-        batch = self.collate_fn([self.dataset[i] for i in indices])
-        problem = (None if isinstance(batch, (tuple, list)) and len(batch) == 2
-                   else f"it returned a {type(batch).__name__}, not an (inputs, targets) pair")
-        problem = problem or check_batch(batch)
-        if problem:
-            raise TypeError(f"the DataLoader's collate_fn does not give a batch hpctrain can "
-                            f"train on: {problem}. Make it return (inputs, targets): each a "
-                            f"tensor, or a dict/tuple of tensors with one row per sample "
-                            f"(a dict of inputs is passed to the model as keywords)")
-        return batch[0], batch[1]
+        return as_pair(self.collate_fn([self.dataset[i] for i in indices]))
 
     def __getitem__(self, i):
         x, y = self.collate_indices([i])
         return take_rows(x, 0), take_rows(y, 0)
+
+
+def as_pair(batch):
+    """(inputs, targets) of a batch a DataLoader's collate_fn made: each a tensor, or a
+    dict/tuple of tensors with one row per sample; TypeError otherwise."""
+    problem = (None if isinstance(batch, (tuple, list)) and len(batch) == 2
+               else f"it returned a {type(batch).__name__}, not an (inputs, targets) pair")
+    problem = problem or check_batch(batch)
+    if problem:
+        raise TypeError(f"the DataLoader's collate_fn does not give a batch hpctrain can "
+                        f"train on: {problem}. Make it return (inputs, targets): each a "
+                        f"tensor, or a dict/tuple of tensors with one row per sample "
+                        f"(a dict of inputs is passed to the model as keywords)")
+    return batch[0], batch[1]

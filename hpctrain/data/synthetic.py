@@ -3,6 +3,8 @@
 import torch
 from torch.utils.data import Dataset
 
+from .structure import rows, take_rows
+
 __all__ = ["TensorPairDataset", "seeded_generator", "make_classification", "make_markov_tokens"]
 
 _MASK64 = (1 << 64) - 1
@@ -20,17 +22,18 @@ class TensorPairDataset(Dataset):
     """Map-style data set of (inputs[i], targets[i]) pairs held as two tensors."""
 
     def __init__(self, inputs, targets):
-        if len(inputs) != len(targets):
-            raise ValueError(f"inputs has {len(inputs)} rows but targets has {len(targets)}; "
+        n, m = rows(inputs), rows(targets)  # tensors, or dicts/tuples of them (a batch)
+        if n != m:
+            raise ValueError(f"inputs has {n} rows but targets has {m}; "
                              "they must have the same length")
         self.inputs = inputs
         self.targets = targets
 
     def __len__(self):
-        return len(self.inputs)
+        return rows(self.inputs)
 
     def __getitem__(self, i):
-        return self.inputs[i], self.targets[i]
+        return take_rows(self.inputs, i), take_rows(self.targets, i)
 
 
 def make_classification(n_samples, in_features, n_classes, seed, teacher_hidden=23):

@@ -9,13 +9,31 @@ same shape, over its plans and with its guarantee (the same trajectory as one pr
 
 or, as before, the whole run from a config: ``hpctrain.Trainer(load_config("run.toml")).fit()``.
 
-What a DataLoader means here: its dataset (map-style) and its ``collate_fn`` are used; its
-``batch_size`` is the GLOBAL batch (what one process would train on per step) unless
-``global_batch_size`` is given; the order of samples comes from the run's seed, and each
-data-parallel rank collates only its part of every global batch, so the losses do not
-depend on the world size. Iterable datasets cannot be split that way and are refused.
-Validation (``val_dataloaders``, every ``val_every`` steps, or ``validate()``) is the mean
-loss over the whole validation set, reduced over the ranks.
+What a DataLoader means here (hpctrain/data/loader.py reads it):
+
+* A map-style dataset: its items and ``collate_fn`` are used; its ``batch_size`` is the
+  GLOBAL batch (what one process would train on per step) unless ``global_batch_size`` is
+  given; its sampler (``shuffle``) is not: the order of samples comes from the run's seed
+  (a partial last batch of an epoch is dropped), and each data-parallel rank collates only
+  its part of every global batch, so the losses do not depend on the world size. With
+  ``num_workers`` > 0 that part is read in worker processes set up as the loader's
+  (``num_workers``, ``pin_memory``, ``prefetch_factor``, ``persistent_workers``,
+  ``worker_init_fn``, ``multiprocessing_context``, ``timeout``), prefetching across steps.
+* An ``IterableDataset``: what one process training on this DataLoader would see. Every
+  rank iterates the loader itself (its workers, its ``collate_fn``); each batch it yields
+  is one global batch (its ``batch_size``; ``global_batch_size``, if given, must be the
+  same), of which each rank keeps its rows of each micro-batch. A batch shorter than
+  ``batch_size`` (a pass's last; with workers, each worker's last) is dropped, as with
+  ``drop_last``; when the stream ends a new pass (epoch) starts. ``epochs=`` needs
+  ``len(dataset)`` (a pass counts ``len // batch_size`` steps). A resumed run at step s
+  reads the stream again from its start and drops the first s batches. Every rank reads
+  the whole stream, so this suits streams that are cheap to read; map-style data is the
+  path that scales (each rank reads only its part).
+
+``batch_size=None`` (a dataset whose items are batches) is refused: the global batch must
+be known. Validation (``val_dataloaders``, every ``val_every`` steps, or ``validate()``)
+is the mean loss over the whole validation set (every sample, short batches too), each
+rank forwarding every ranks-th sample of each batch, reduced over the ranks.
 """
 
 from __future__ import annotations
@@ -115,7 +133,8 @@ class Trainer:
 
         With no model: the config's model and data set (the CLI's run). With a model: a
         torch.nn.Module (or a models.layers.LayerStack), a DataLoader of (input, target)
-        batches over a map-style dataset, and ``loss_fn(output, target) -> mean loss``."""
+        batches (a map-style dataset or an IterableDataset: the module docstring), and
+        ``loss_fn(output, target) -> mean loss``."""
         from hpctrain.train.trainer import Trainer as Engine
 
         if callable(val_dataloaders) and not hasattr(val_dataloaders, "__iter__"):
@@ -132,13 +151,16 @@ class Trainer:
             if built is None:
                 raise ConfigError("Trainer.fit(val_dataloaders=...) needs the model and its "
                                   "loss_fn")
-            dataset, batch = self._val_data(val_dataloaders)
             every = self.val_every or self.cfg.train.steps  # 0: once, after the last step
-            validation = (dataset, batch, built.loss_fn, every)
-        self.engine = Engine(self.cfg, self.world, built, callbacks=self.callbacks, owner=self,
-                             validation=validation)
-        self.world = self.engine.world
-        summary = self.engine.fit()
+            validation = (self._val_data(val_dataloaders), None, built.loss_fn, every)
+        try:
+            self.engine = Engine(self.cfg, self.world, built, callbacks=self.callbacks,
+                                 owner=self, validation=validation)
+            self.world = self.engine.world
+            summary = self.engine.fit()
+        finally:
+            if validation is not None:
+                validation[0].close()  # its persistent workers
         for cb in self.callbacks:
             cb.on_fit_end(self, summary)
         return summary
@@ -150,20 +172,23 @@ class Trainer:
         Collective."""
         if self.engine is None:
             raise ConfigError("Trainer.validate: call fit() first (it builds the model's plan)")
-        dataset, batch = self._val_data(val_dataloaders)
-        loss = self.engine.evaluate(dataset, batch, loss_fn or self.engine.built.loss_fn)
+        source = self._val_data(val_dataloaders)
+        try:
+            loss = self.engine.evaluate(source, None, loss_fn or self.engine.built.loss_fn)
+        finally:
+            source.close()
         return {"val_loss": loss}
 
     def _val_data(self, loader):
-        """(dataset with the loader's collate_fn, batch size) of a validation DataLoader."""
-        from torch.utils.data import DataLoader, IterableDataset
+        """The validation source of a DataLoader (data/loader.py)."""
+        from torch.utils.data import DataLoader
 
-        from hpctrain.data.sampler import CollatedDataset
+        from hpctrain.data.loader import validation_source
 
-        if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
-            raise ConfigError("Trainer: validation data must be a DataLoader over a map-style "
-                              "dataset")
-        return CollatedDataset(loader.dataset, loader.collate_fn), loader.batch_size or 1
+        if not isinstance(loader, DataLoader):
+            raise ConfigError(f"Trainer: validation data must be a torch DataLoader, got "
+                              f"{type(loader).__name__}")
+        return validation_source(loader, _batch_size(loader))
 
     def _user_model(self, model, loader, loss_fn):
         """BuiltModel of a user's model, DataLoader and loss (the global batch, the step
@@ -176,17 +201,21 @@ class Trainer:
         if not isinstance(loader, DataLoader):
             raise ConfigError(f"Trainer.fit(model, train_dataloaders): expected a torch "
                               f"DataLoader, got {type(loader).__name__}")
-        if isinstance(loader.dataset, IterableDataset):
-            raise ConfigError("Trainer.fit: an IterableDataset cannot be split into the same "
-                              "global batches at every world size; use a map-style Dataset")
         if not callable(loss_fn):
             raise ConfigError("Trainer.fit: loss_fn(output, target) -> mean loss is required")
-        t = self.cfg.train
-        if "train.global_batch_size" not in self._given() and loader.batch_size:
-            t.global_batch_size = loader.batch_size  # the DataLoader's batch is the global one
-        dataset = CollatedDataset(loader.dataset, loader.collate_fn)
+        t, size = self.cfg.train, _batch_size(loader)
+        stream = isinstance(loader.dataset, IterableDataset)
+        if "train.global_batch_size" not in self._given():
+            t.global_batch_size = size  # the DataLoader's batch is the global one
+        elif stream and t.global_batch_size != size:
+            raise ConfigError(f"Trainer(global_batch_size={t.global_batch_size}): an "
+                              f"IterableDataset's batches are the global batches, and its "
+                              f"DataLoader makes {size}; leave global_batch_size out or make "
+                              f"it the DataLoader's batch_size")
+        dataset = (_stream_dataset(loader, size) if stream else
+                   CollatedDataset(loader.dataset, loader.collate_fn, loader))
         if self.epochs is not None:
-            t.steps = max(1, self.epochs * len(dataset) // t.global_batch_size)
+            t.steps = max(1, self.epochs * _length(loader.dataset) // t.global_batch_size)
         t.model = f"{type(model).__module__}.{type(model).__name__}"
         unit, per_sample = detect_unit(dataset)
         return BuiltModel(model, dataset, loss_fn, t.model, unit, per_sample)
@@ -199,3 +228,50 @@ class Trainer:
             out |= {f"{section}.{f.name}" for f in fields(a)
                     if getattr(a, f.name) != getattr(b, f.name)}
         return out
+
+
+def _batch_size(loader) -> int:
+    """The batch a DataLoader makes: its batch_size, or its torch BatchSampler's; ConfigError
+    when its batches have no fixed size."""
+    from torch.utils.data import BatchSampler
+
+    if loader.batch_size:
+        return loader.batch_size
+    if isinstance(loader.batch_sampler, BatchSampler):
+        return loader.batch_sampler.batch_size  # hpctrain orders the samples itself
+    if loader.batch_sampler is not None:
+        raise ConfigError(f"Trainer: the DataLoader's batch_sampler "
+                          f"({type(loader.batch_sampler).__name__}) may make batches of any "
+                          f"size, but the global batch is fixed and hpctrain orders the "
+                          f"samples from the run's seed: give DataLoader(dataset, "
+                          f"batch_size=N, collate_fn=...) with N the global batch")
+    raise ConfigError("Trainer: the DataLoader has batch_size=None (its dataset's items would "
+                      "be whole batches), so the global batch is unknown: give "
+                      "DataLoader(dataset, batch_size=N) with N the global batch, items one "
+                      "sample each")
+
+
+def _stream_dataset(loader, size):
+    """StreamDataset of an IterableDataset's DataLoader; ConfigError when its first batch
+    is not a whole global batch."""
+    from hpctrain.data.loader import StreamDataset
+
+    try:
+        dataset = StreamDataset(loader)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"Trainer.fit: {exc}") from None
+    if len(dataset) != size:
+        raise ConfigError(f"Trainer.fit: the DataLoader's first batch has {len(dataset)} rows, "
+                          f"not its batch_size {size}: the stream must give whole global "
+                          f"batches (a longer stream, or a collate_fn with one row per item)")
+    return dataset
+
+
+def _length(dataset) -> int:
+    """len(dataset) for ``epochs``; ConfigError for a stream without one."""
+    try:
+        return len(dataset)
+    except TypeError:
+        raise ConfigError(f"Trainer(epochs=...): an epoch needs len(dataset), and "
+                          f"{type(dataset).__name__} has no __len__; give steps=N "
+                          f"instead") from None

@@ -15,6 +15,7 @@ from hpctrain.runtime.abort import set_context
 from hpctrain.runtime.flight import RECORDER
 from hpctrain.runtime.timeline import TIMELINE, merge as merge_timeline
 from hpctrain.runtime.watchdog import start_watchdog
+from hpctrain.data.loader import eval_source, train_reader
 from hpctrain.data.sampler import GlobalBatchSampler, collate
 from hpctrain.data.structure import to_device
 from hpctrain.models.layers import LayerStack
@@ -159,6 +160,9 @@ class Trainer:
         data_rank, data_ranks = self.par.data_shard(world)
         self.sampler = GlobalBatchSampler(len(self.built.dataset), t.global_batch_size, t.seed,
                                           data_rank, data_ranks, t.grad_accum)
+        # reads this rank's part of each micro-batch (data/loader.py); opened at the first
+        # step trained (a resumed run's), closed at the end of fit()
+        self.reader = train_reader(self.built.dataset, self.sampler, t.steps, self.par)
         self.start_step, self.history = 0, []
         # Training randomness (dropout masks) from the run's seed, the same on every rank:
         # the ranks splitting a model draw whole masks alike and keep their slices
@@ -260,16 +264,14 @@ class Trainer:
         micro-batch's share of the global batch's samples, or of its valid tokens
         (train.loss_weight = tokens: the step's micro-batches are read first, and their
         count is all-reduced once)."""
-        t, b, device = self.cfg.train, self.built, self.world.device
-        loaded = ((len(indices), self.par.load_batch(b.dataset, indices))
-                  for indices in self.sampler.micro_batches(step) if len(indices))
+        size, device = self.cfg.train.global_batch_size, self.world.device
+        loaded = self.reader.micro_batches(step)  # (x, y, samples); empty parts left out
         if self.weighting.tokens:
             loaded = list(loaded)
-            counts = [self.weighting.count(y) for _, (_, y) in loaded]
-            total = self._global_count(sum(counts))
-            weights = self.weighting.weights(counts, total)
-        for i, (n, (x, y)) in enumerate(loaded):
-            weight = weights[i] if self.weighting.tokens else n / t.global_batch_size
+            counts = [self.weighting.count(y) for _, y, _ in loaded]
+            weights = self.weighting.weights(counts, self._global_count(sum(counts)))
+        for i, (x, y, n) in enumerate(loaded):
+            weight = weights[i] if self.weighting.tokens else n / size
             yield to_device(x, device, True), to_device(y, device, True), weight
 
     def _global_count(self, local: int) -> float:
@@ -345,6 +347,7 @@ class Trainer:
                 self.save(last, losses)
             set_context(phase=None)
         finally:
+            self.reader.close()  # the loader's workers, also when a step failed
             if TIMELINE.enabled:  # this rank's file, also when a rank fails (its last events)
                 TIMELINE.write()
             if self.watchdog is not None:
@@ -394,21 +397,22 @@ class Trainer:
         Each data-parallel rank forwards its part of every batch (an empty part too: a
         sharded forward gathers with the others) through the plan's forward-only path
         (``forward_loss``: the pipeline's forward schedule, tensor and domain executors);
-        one reduction at the end. Collective. The same value under every plan."""
+        one reduction at the end. Collective. The same value under every plan.
+        ``dataset`` may be a validation source over a DataLoader instead (data/loader.py:
+        its workers, or a stream whose size is counted as it is read)."""
         rank, ranks = self.par.data_shard(self.world)
-        model, device, n = self.par.model, self.world.device, len(dataset)
+        model, device = self.par.model, self.world.device
+        source = eval_source(dataset, batch_size)
         loss_fn, count = self.weighting.wrap(loss_fn), self.weighting.count
         was_training = model.training
         model.eval()
         total = units = 0.0
         try:
-            for start in range(0, n, batch_size):
-                mine = list(range(start, min(start + batch_size, n)))[rank::ranks]
-                x, y = self.par.load_batch(dataset, mine)
-                k = count(y) if mine else 0  # samples, or valid tokens: the loss's mean
+            for x, y, k, _ in source.parts(rank, ranks, self.par):
+                c = count(y) if k else 0  # samples, or valid tokens: what the loss averages
                 total += self.par.forward_loss([(to_device(x, device), to_device(y, device),
-                                                 k)], loss_fn, self.precision)
-                units += k
+                                                 c)], loss_fn, self.precision)
+                units += c
         finally:
             model.train(was_training)
         # the loss is reported once per sample (tp rank 0, the last stage); counts by all

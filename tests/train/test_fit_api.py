@@ -57,7 +57,8 @@ def test_bad_input_is_one_clear_error():
         def __iter__(self):
             yield torch.zeros(2), torch.zeros(1)
 
-    with pytest.raises(ConfigError, match="IterableDataset"):
+    # an IterableDataset trains (tests/train/test_fit_data.py), but one global batch at least
+    with pytest.raises(ConfigError, match="first batch has 1 rows, not its batch_size 2"):
         t._user_model(torch.nn.Linear(2, 1), DataLoader(Stream(), batch_size=2), torch.sub)
     with pytest.raises(ConfigError, match="DataLoader"):
         t._user_model(torch.nn.Linear(2, 1), [1, 2], torch.sub)
