@@ -1,14 +1,15 @@
 """Hugging Face GPT-2 and Llama (tiny, random init) trained through hpctrain.Trainer.fit with a
 torch DataLoader, AdamW and warm-up + cosine follow one process under ddp, zero3, fsdp and
-the pipeline (pp=2) at 2 ranks, with equal validation loss; the plain GPT2LMHeadModel, whose
-forward returns a ModelOutput, trains with one loss on ``output.logits`` under every plan
-(the pipeline's last stage returns the same type); Llama trains under tensor parallel
-(tp=2) from the plan the HF model carries (model._tp_plan, translated); a fit stopped mid-epoch and resumed from
-its checkpoint reproduces the uninterrupted one (the schedule included), under single and
-zero3; padded batches (plain HF models called with input_ids and attention_mask, labels
--100 at the padding) under zero3 and tensor parallel, and as one input tensor under the
-pipeline (its pieces weighted by their tokens), follow one process with
-train.loss_weight = tokens, and do not with the default sample weighting. Two launches: every single-process case, then every 2-rank case."""
+the pipeline (pp=2) at 2 ranks, with equal validation losses. Also: the plain
+GPT2LMHeadModel, whose forward returns a ModelOutput, trains with one loss on
+``output.logits`` (the pipeline's last stage returns the same type); Llama trains under
+tensor parallel (tp=2) from the plan the HF model carries (model._tp_plan, translated); a
+fit stopped mid-epoch and resumed from its checkpoint reproduces the uninterrupted one (the
+schedule included), under single and zero3; padded batches (plain HF models called with
+input_ids and attention_mask, labels -100 at the padding) under zero3 and tensor parallel,
+and as one input tensor under the pipeline (its pieces weighted by their tokens), follow
+one process with train.loss_weight = tokens, and do not with the default sample weighting.
+Two launches: every single-process case, then every 2-rank case."""
 
 import json
 
@@ -18,7 +19,8 @@ import torch
 from tests.mpirun import run_mpi, run_single
 
 WORKER = "tests/train/fit_hf_worker.py"
-PLANS = {"gpt2": ["zero3", "pipeline", "ddp"], "llama": ["fsdp", "pipeline"],
+PLANS = {"gpt2": ["zero3", "pipeline", "ddp", "fsdp"],
+         "llama": ["ddp", "zero3", "fsdp", "pipeline"],
          "gpt2-output": ["pipeline", "zero3"], "llama-tp": ["tensor"],
          "gpt2-padded": ["zero3"], "llama-padded": ["tensor"], "gpt2-padded-ids": ["pipeline"]}
 
