@@ -329,7 +329,11 @@ class StreamEval:
     takes every ranks-th row of each batch (short ones too), as MapEval splits samples."""
 
     def __init__(self, loader):
-        self.loader = loader
+        # A copy with no iterator of its own yet: with persistent_workers, iterating the
+        # user's object would reset the pass training has open when the same loader is
+        # given for both.
+        self.loader = copy.copy(loader)
+        self.loader._iterator = None
 
     def parts(self, rank, ranks, par):
         it, done = OpenIterator(self.loader), False

@@ -139,3 +139,30 @@ def test_what_cannot_work_is_one_clear_error():
                                                torch.sub)
     built = t._user_model(net, DataLoader(_Stream(9), batch_size=4), torch.sub)
     assert t.cfg.train.global_batch_size == 4 and built.dataset[1][1].item() == 1.0
+
+
+def test_validating_on_the_training_stream_leaves_its_open_pass_alone():
+    # the same loader for training and validation, persistent workers: validation iterates
+    # a copy, so the pass training has open goes on where it was
+    from hpctrain.data.loader import StreamEval
+    from hpctrain.data.sampler import collate
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            info = torch.utils.data.get_worker_info()
+            for i in range(info.id, 12, info.num_workers):
+                yield torch.tensor([float(i)]), torch.tensor([float(i)])
+
+    class Par:
+        def load_batch(self, dataset, indices):
+            return collate(dataset, indices)
+
+    loader = DataLoader(Stream(), batch_size=2, num_workers=2, persistent_workers=True,
+                        multiprocessing_context="fork")
+    training = iter(loader)
+    first = next(training)[0].flatten().tolist()
+    validation = StreamEval(loader)
+    assert sum(n for *_, n, _ in validation.parts(0, 1, Par())) == 12
+    validation.close()
+    assert (first, next(training)[0].flatten().tolist()) == ([0.0, 2.0], [1.0, 3.0])
+    del training
