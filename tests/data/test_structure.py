@@ -56,3 +56,24 @@ def test_tokens_weighting_counts_what_the_loss_averages():
     zero.backward()
     assert zero.item() == 0.0 and out.grad is not None
     assert tokens.weights([2, 0, 6], 8.0) == [0.25, 0.0, 0.75]
+
+
+def test_worker_processes_read_dict_batches_and_empty_parts_keep_the_keys():
+    from torch.utils.data import DataLoader
+
+    from hpctrain.data.loader import WorkerEval, WorkerReader
+    from hpctrain.data.sampler import GlobalBatchSampler
+
+    class Par:
+        def load_batch(self, dataset, indices):
+            return collate(dataset, indices)
+
+    items = _items(10)
+    loader = DataLoader(items, batch_size=4, collate_fn=_collate, num_workers=2,
+                        multiprocessing_context="fork")
+    reader = WorkerReader(loader, GlobalBatchSampler(10, 4, 3, 0, 2), 2, Par())
+    (x, y, n), = reader.micro_batches(0)
+    reader.close()
+    assert n == 2 and set(x) == {"input_ids", "attention_mask"} and rows(x) == 2
+    parts = list(WorkerEval(loader, 4).parts(2, 3, Par()))  # rank 2 of 3: last part empty
+    assert rows(parts[-1][0]) == 0 and set(parts[-1][0]) == {"input_ids", "attention_mask"}
