@@ -51,6 +51,7 @@ _KEYS = {
     "momentum": "train.momentum", "seed": "train.seed", "precision": "train.precision",
     "grad_accum": "train.grad_accum", "global_batch_size": "train.global_batch_size",
     "max_grad_norm": "train.max_grad_norm", "out_dir": "train.out_dir",
+    "loss_weight": "train.loss_weight", "ignore_index": "train.ignore_index",
     "progress": "train.progress", "log_every": "train.log_every",
     "activation_checkpointing": "train.activation_checkpointing",
     "mesh": "runtime.mesh", "dp_flavour": "runtime.dp_flavour",

@@ -104,9 +104,9 @@ class StopAfter(hpctrain.Callback):
 
 
 def _trainer(strategy, steps, tokens=False, **more):
-    settings = {**SCHEDULE, **({"train.loss_weight": "tokens"} if tokens else {})}
     return hpctrain.Trainer(strategy=strategy, steps=steps, lr=3e-3, optimizer="adamw",
-                            progress="off", out_dir="", set=settings, **more)
+                            progress="off", out_dir="", set=dict(SCHEDULE),
+                            loss_weight="tokens" if tokens else "samples", **more)
 
 
 def run(case: str) -> dict:
