@@ -245,11 +245,12 @@ class FullBatches:
                                      f"batch of {self.size} rows (the global batch); fix: a "
                                      f"longer stream or a smaller batch_size") from None
                 continue
-            if count_rows(x) > self.size:
-                raise ValueError(f"the DataLoader yielded a batch of {count_rows(x)} rows, more than "
-                                 f"its batch_size {self.size}; fix: a collate_fn that keeps "
-                                 f"one row per sample")
-            if count_rows(x) == self.size:
+            n = count_rows(x)
+            if n > self.size:
+                raise ValueError(f"the DataLoader yielded a batch of {n} rows, more than its "
+                                 f"batch_size {self.size}; fix: a collate_fn that keeps one "
+                                 f"row per sample")
+            if n == self.size:
                 self._full += 1
                 return x, y
 
