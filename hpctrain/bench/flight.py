@@ -139,7 +139,7 @@ def _time_steps(world, strategy, model, options, steps, blocks, batch, control):
                     ops.append(RECORDER.count - c0)
             step += 1
     in_place = _in_place_cost(world, trainer, step, max(4, blocks // 2), steps,
-                              statistics.median(ops) if ops else 0)
+                              statistics.median(ops) if ops else 0, control)
     RECORDER.enabled = True
     if trainer.watchdog is not None:
         trainer.watchdog.stop()
@@ -148,9 +148,10 @@ def _time_steps(world, strategy, model, options, steps, blocks, batch, control):
     return med_on, med_off, statistics.median(ops) if ops else 0, in_place
 
 
-def _in_place_cost(world, trainer, step, blocks, steps, ops_per_step) -> float:
+def _in_place_cost(world, trainer, step, blocks, steps, ops_per_step, control) -> float:
     """Seconds per op the recording wrapper costs inside real steps (the slowest rank): its
-    time per step, recorder on minus off (ABBA blocks again), over the ops per step."""
+    time per step, recorder on minus off (ABBA blocks again; ``control``: on in both), over
+    the ops per step."""
     from hpctrain.runtime.flight import RECORDER
 
     acc = [0.0]
@@ -158,7 +159,7 @@ def _in_place_cost(world, trainer, step, blocks, steps, ops_per_step) -> float:
     with _timing_the_wrapper(acc):
         for b in range(blocks):
             on = b % 4 in (0, 3)
-            RECORDER.enabled = on
+            RECORDER.enabled = on or control
             for _ in range(steps):
                 acc[0] = 0.0
                 trainer._train_step(step)
