@@ -104,7 +104,7 @@ def test_a_recorded_request_ends_its_entry_once(recorder):
     end = e.end
     assert req.wait() == "the output" and req.out == "the output" and e.end == end
     failing = iallreduce(_Comm(), torch.ones(2))
-    failing[0].fail = True
+    failing._req.fail = True
     with pytest.raises(RuntimeError, match="backend failure"):
         failing.wait()
     assert not recorder.pending and recorder.ring[-1].end is not None

@@ -542,28 +542,31 @@ class Communicator(ABC):
 # alike; size-1 communicators are skipped (nothing can stall there).
 
 
-class _RecordedRequest(tuple, Request):
-    """(request, entry): a non-blocking op's request whose completion ends its flight entry;
-    other attributes (``out``) are the wrapped request's. A tuple, so that making one runs no
-    Python code; the entry's end (None until then) says whether it was ended."""
+class _RecordedRequest(Request):
+    """A non-blocking op's request whose completion ends its flight entry; other attributes
+    (``out``) are the wrapped request's. The entry's end (None until then) says whether it
+    was ended."""
 
-    __slots__ = ()
+    __slots__ = ("_req", "_entry")
+
+    def __init__(self, request, entry):
+        self._req, self._entry = request, entry
 
     def wait(self):
         try:
-            return self[0].wait()
+            return self._req.wait()
         finally:
-            if self[1][9] is None:
-                _RECORDER.end(self[1])
+            if self._entry[9] is None:
+                _RECORDER.end(self._entry)
 
     def test(self) -> bool:
-        done = self[0].test()
-        if done and self[1][9] is None:
-            _RECORDER.end(self[1])
+        done = self._req.test()
+        if done and self._entry[9] is None:
+            _RECORDER.end(self._entry)
         return done
 
     def __getattr__(self, attr):
-        return getattr(self[0], attr)
+        return getattr(self._req, attr)
 
 
 def _tensor_size(args, kwargs):
@@ -614,9 +617,8 @@ _SIZERS = {"send": _p2p_size, "recv": _p2p_size, "isend": _p2p_size, "irecv": _p
 
 def _recorded(name: str, fn, nonblocking: bool):
     """``fn`` wrapped to record each call in the flight recorder. Every op goes through this,
-    so it is written for speed (inside a training step every line runs with cold caches, at
-    ~0.3 us each): one sizing function chosen here, the group key cached on the
-    communicator, no Python frame for the request wrapper."""
+    so it is written for speed (inside a training step every line runs with cold caches):
+    one sizing function chosen here, the group key cached on the communicator."""
     size_of = _SIZERS.get(name, _tensor_size)
 
     def method(self, *args, **kwargs):
@@ -631,7 +633,7 @@ def _recorded(name: str, fn, nonblocking: bool):
             rec.end(entry)
             raise
         if nonblocking:
-            return _RecordedRequest((result, entry))
+            return _RecordedRequest(result, entry)
         rec.end(entry)
         return result
 
