@@ -13,7 +13,7 @@ the pending dict are only appended/removed under the GIL, so no lock is taken on
 Cost: two clock reads, a few dict operations and one mirror write per op; what can wait is
 done when read (dtype names). Inside a training step every line runs with cold caches, so an
 op costs several times its tight-loop figure: ``bench flight`` measures both (on a shared
-2-core machine about 1.5-2 us per op in a loop, 6-11 us in place, of which the wrapper's
+2-core machine about 1.5-2 us per op in a loop, 7-12 us in place, of which the wrapper's
 skeleton alone, start and end doing nothing, is about 3 us and the mirror about 2 us).
 ``RECORDER.enabled = False`` (runtime.flight_recorder = false) makes recording a single
 attribute test.
