@@ -10,20 +10,25 @@ end times (``time.time()``, comparable across ranks of one machine, roughly acro
 
 The watchdog (runtime/watchdog.py) reads the pending entries from its own thread; the ring and
 the pending dict are only appended/removed under the GIL, so no lock is taken on the hot path.
-Cost: two clock reads and a few dict operations per op (``bench flight`` measures it against
-a step). ``RECORDER.enabled = False`` (runtime.flight_recorder = false) makes recording a
-single attribute test.
+Cost: two clock reads, a few dict operations and one mirror write per op; what can wait is
+done when read (dtype names). Inside a training step every line runs with cold caches, so an
+op costs several times its tight-loop figure: ``bench flight`` measures both (on a shared
+2-core machine about 1.5-2 us per op in a loop, 7-12 us in place, of which the wrapper's
+skeleton alone, start and end doing nothing, is about 3 us and the mirror about 2 us).
+``RECORDER.enabled = False`` (runtime.flight_recorder = false) makes recording a single
+attribute test.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import struct
-import time
 from collections import deque
 from operator import itemgetter
+from time import time as _time
 
 from hpctrain.runtime.abort import _context
 from hpctrain.runtime.timeline import TIMELINE
@@ -41,15 +46,37 @@ def _field(i: int, settable: bool = False):
 
 class Entry(list):
     """One operation; ``end`` is None while it is pending. A list with named fields: made
-    per op on the hot path, and a list is a third of the cost of a slotted object."""
+    per op on the hot path, and a list is a third of the cost of a slotted object. The dtype
+    is kept as given (a torch.dtype per op costs nothing) and named when read; a last,
+    unnamed field is the op's number on this rank (its key in ``pending``)."""
 
     __slots__ = ()
     FIELDS = ("seq", "op", "group", "nbytes", "dtype", "peer", "step", "phase", "start", "end")
-    seq, op, group, nbytes, dtype, peer, step, phase, start = (_field(i) for i in range(9))
+    seq, op, group, nbytes = (_field(i) for i in range(4))
+    peer, step, phase, start = (_field(i) for i in range(5, 9))
     end = _field(9, settable=True)
 
+    @property
+    def dtype(self) -> str:
+        return dtype_name(self[4])
+
     def as_dict(self) -> dict:
-        return dict(zip(self.FIELDS, self))
+        d = dict(zip(self.FIELDS, self))  # the op's number is not a field
+        d["dtype"] = dtype_name(d["dtype"])
+        return d
+
+
+_DTYPE_NAMES: dict = {}
+
+
+def dtype_name(dtype) -> str:
+    """'float32' for torch.float32 (or for 'float32'); '' for None."""
+    if dtype.__class__ is str:
+        return dtype
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = "" if dtype is None else str(dtype).replace("torch.", "")
+    return name
 
 
 def group_key(comm) -> str:
@@ -101,8 +128,10 @@ def _is_collective(op: str) -> bool:
 # that is stopped or dead cannot write a heartbeat, but what it last did is in the page cache.
 # A header of six 8-byte numbers (count, seq, start, end (nan: pending), step (-1: none), the
 # index of the op's names) and a table of names (op, group, phase), each written once: per op
-# only numbers are stored, through memoryviews (the cheapest write Python has).
+# only numbers are stored, in one struct write (the header).
 _HEADER = struct.Struct("=qqddqq")
+_END_AT = 24  # the header's end field (written when the op ends)
+_NAN = math.nan
 _NAMES = struct.Struct("=24s48s16s")
 NAME_SLOTS = 1024
 MIRROR_SIZE = _HEADER.size + NAME_SLOTS * _NAMES.size
@@ -131,52 +160,49 @@ class FlightRecorder:
 
     def __init__(self, capacity: int = 4096):
         self.mirror = None  # a writable mmap of MIRROR_SIZE bytes, set by the watchdog
-        self._last = None
         self._names: dict = {}  # (op, group, phase) -> its index in the mirror's table
-        self._mq = self._mf = None  # the mirror's header as int64 and float64 views
+        self._pack_header = self._end_view = None  # writers into the mirror's header
         self.enabled = True
         self.ring: deque = deque(maxlen=capacity)
-        self.pending: dict[int, Entry] = {}   # id(entry) -> entry, until it completes
+        # each op until it completes, in start order (dicts keep insertion order): the first
+        # one is the oldest
+        self.pending: dict[int, Entry] = {}  # keyed by the op's number
         self.seqs: dict[str, int] = {}        # group key (+ ':p2p') -> last sequence number
         self.count = 0                        # operations started (changes = news for heartbeats)
 
-    def start(self, key: str, op: str, nbytes: int = 0, dtype: str = "", peer=None) -> Entry:
+    def start(self, key: str, op: str, nbytes: int = 0, dtype="", peer=None) -> Entry:
         """Record the start of ``op`` over group ``key``; return its entry for :meth:`end`.
+        ``dtype``: a torch.dtype or its name.
 
-        The hot path of every op: kept to a few dict operations and one clock read."""
+        The hot path of every op: a few dict operations, one clock read, one mirror write."""
         skey = key if op not in P2P_OPS else key + ":p2p"
         seqs = self.seqs
         seq = seqs[skey] = seqs.get(skey, 0) + 1
-        ctx = _context
-        e = Entry((seq, op, key, nbytes, dtype, peer, ctx.get("step"), ctx.get("phase"),
-                   time.time(), None))
+        step, phase = _context.get("step"), _context.get("phase")
+        self.count = count = self.count + 1
+        now = _time()
+        e = Entry((seq, op, key, nbytes, dtype, peer, step, phase, now, None, count))
         self.ring.append(e)
-        self.pending[id(e)] = e
-        self.count += 1
-        q = self._mq
-        if q is not None:  # the mirror: a handful of stores into the mmap
-            self._last = e
-            step, names = e[6], (op, key, e[7])
-            index = self._names.get(names)
+        self.pending[count] = e
+        if self._pack_header is not None:  # the mirror: one struct write into the mmap
+            index = self._names.get((op, key, phase))
             if index is None:
-                index = self._add_names(names)
-            f = self._mf
-            q[0], q[1], f[2], f[3], q[5] = self.count, seq, e[8], math.nan, index
-            q[4] = step if step.__class__ is int else -1
+                index = self._add_names((op, key, phase))
+            self._pack_header(count, seq, now, _NAN, step if step.__class__ is int else -1,
+                              index)
         return e
 
     def set_mirror(self, mirror) -> None:
         """Mirror the last op into ``mirror`` (a writable mmap of MIRROR_SIZE bytes; None:
         stop)."""
-        for view in (self._mq, self._mf):
-            if view is not None:
-                view.release()
+        if self._end_view is not None:
+            self._end_view.release()
         self.mirror, self._names = mirror, {}
-        self._mq = self._mf = None
-        if mirror is not None:
-            header = memoryview(mirror)[:_HEADER.size]
-            self._mq, self._mf = header.cast("q"), header.cast("d")
-            header.release()
+        self._pack_header = self._end_view = None
+        if mirror is not None:  # bound once: the hot path makes one call per store
+            self._pack_header = functools.partial(_HEADER.pack_into, mirror, 0)
+            with memoryview(mirror) as whole:  # the end field as a float64 view
+                self._end_view = whole[_END_AT:_END_AT + 8].cast("d")
 
     def _add_names(self, names) -> int:
         """Write (op, group, phase) into the mirror's table once; its index (-1: table full)."""
@@ -190,10 +216,10 @@ class FlightRecorder:
 
     def end(self, e: Entry) -> None:
         """Record the completion (or failure) of ``e``."""
-        e[9] = t = time.time()
-        self.pending.pop(id(e), None)
-        if e is self._last and self._mf is not None:
-            self._mf[3] = t
+        e[9] = t = _time()
+        self.pending.pop(e[10], None)
+        if e[10] == self.count and self._end_view is not None:  # the last op: in the mirror
+            self._end_view[0] = t
         if TIMELINE.enabled:  # --trace: every finished op is a span on the rank's comm row
             TIMELINE.op(e)
 
@@ -202,8 +228,9 @@ class FlightRecorder:
         return _Scope(self, key, op, nbytes, dtype)
 
     def oldest_pending(self) -> Entry | None:
+        """The pending op started first (ops may complete in any order)."""
         pend = list(self.pending.values())  # one C-level copy: safe against the main thread
-        return min(pend, key=lambda e: e.start) if pend else None
+        return pend[0] if pend else None
 
     def snapshot(self, last: int = 0) -> dict:
         """A JSON-able view: the ring (or its ``last`` entries), pending ops and sequence numbers."""
@@ -239,8 +266,9 @@ class _Scope:
 def write_json(path: str, data) -> None:
     """Write ``data`` as JSON to ``path`` via a temporary name (readers never see half a file)."""
     tmp = f"{path}.tmp{os.getpid()}"
+    text = json.dumps(data)  # the C encoder (json.dump's is pure Python): less GIL time
     with open(tmp, "w") as f:
-        json.dump(data, f)
+        f.write(text)
     os.replace(tmp, path)
 
 

@@ -70,6 +70,7 @@ class Watchdog(threading.Thread):
         self.stopped = False
         self._last_count = -1
         self._responded = False
+        self._host = socket.gethostname()
 
     # ---- the loop ----------------------------------------------------------------------
 
@@ -119,7 +120,7 @@ class Watchdog(threading.Thread):
         self._last_count = (count, pend)
         try:
             write_json(self._hb_path(self.rank), {
-                "rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
+                "rank": self.rank, "host": self._host, "pid": os.getpid(),
                 "time": time.time(), **self.rec.snapshot(last=4), **extra})
         except FileNotFoundError:
             pass  # rank 0 removed the channel at the end of a clean run

@@ -544,41 +544,39 @@ class Communicator(ABC):
 
 class _RecordedRequest(Request):
     """A non-blocking op's request whose completion ends its flight entry; other attributes
-    (``out``) are the wrapped request's."""
+    (``out``) are the wrapped request's. The entry's end (None until then) says whether it
+    was ended."""
 
-    __slots__ = ("_req", "_entry", "_rec")
+    __slots__ = ("_req", "_entry")
 
-    def __init__(self, request, entry, recorder):
-        self._req, self._entry, self._rec = request, entry, recorder
+    def __init__(self, request, entry):
+        self._req, self._entry = request, entry
 
     def wait(self):
         try:
             return self._req.wait()
         finally:
-            if self._entry is not None:
-                self._rec.end(self._entry)
-                self._entry = None
+            if self._entry[9] is None:
+                _RECORDER.end(self._entry)
 
     def test(self) -> bool:
         done = self._req.test()
-        if done and self._entry is not None:
-            self._rec.end(self._entry)
-            self._entry = None
+        if done and self._entry[9] is None:
+            _RECORDER.end(self._entry)
         return done
 
     def __getattr__(self, attr):
         return getattr(self._req, attr)
 
 
-_DTYPE_NAMES = {d: str(d).replace("torch.", "") for d in SUPPORTED_DTYPES}
-
-
 def _tensor_size(args, kwargs):
-    """(bytes, dtype name, None) of a collective's first tensor argument."""
+    """(bytes, dtype, None) of a collective's first tensor argument (the dtype object: the
+    recorder names it only when read)."""
     t = args[0] if args else kwargs.get("tensor")
-    if not isinstance(t, torch.Tensor):
+    try:  # cheaper than isinstance(t, torch.Tensor) (torch's metaclass check)
+        return t.nbytes, t.dtype, None
+    except AttributeError:
         return 0, "", None
-    return t.numel() * t.element_size(), _DTYPE_NAMES.get(t.dtype, ""), None
 
 
 def _peer_sized(peer_at: int):
@@ -588,9 +586,10 @@ def _peer_sized(peer_at: int):
     def size(args, kwargs):
         t = args[0] if args else kwargs.get("tensor")
         peer = args[peer_at] if len(args) > peer_at else kwargs.get("dest", kwargs.get("source"))
-        if not isinstance(t, torch.Tensor):
+        try:
+            return t.nbytes, t.dtype, peer
+        except AttributeError:
             return 0, "", peer
-        return t.numel() * t.element_size(), _DTYPE_NAMES.get(t.dtype, ""), peer
     return size
 
 
@@ -601,8 +600,8 @@ def _group_size(args, kwargs):
     """p2p_group(sends, recvs): every tensor, every peer."""
     items = [*(args[0] if args else kwargs.get("sends", ())),
              *(args[1] if len(args) > 1 else kwargs.get("recvs", ()))]
-    nbytes = sum(t.numel() * t.element_size() for t, _, _ in items)
-    dtype = str(items[0][0].dtype).replace("torch.", "") if items else ""
+    nbytes = sum(t.nbytes for t, _, _ in items)
+    dtype = items[0][0].dtype if items else ""
     return nbytes, dtype, sorted({p for _, p, _ in items}) or None
 
 
@@ -616,33 +615,25 @@ _SIZERS = {"send": _p2p_size, "recv": _p2p_size, "isend": _p2p_size, "irecv": _p
            "allreduce_scalars": _scalars_size}
 
 
-def _op_size(name, args, kwargs):
-    """(bytes, dtype name, peer) of a public op's arguments, cheaply."""
-    return _SIZERS.get(name, _tensor_size)(args, kwargs)
-
-
 def _recorded(name: str, fn, nonblocking: bool):
     """``fn`` wrapped to record each call in the flight recorder. Every op goes through this,
-    so it is written for speed: one sizing function chosen here, the group key cached on the
-    communicator."""
-    from hpctrain.runtime.flight import RECORDER, group_key
-
+    so it is written for speed (inside a training step every line runs with cold caches):
+    one sizing function chosen here, the group key cached on the communicator."""
     size_of = _SIZERS.get(name, _tensor_size)
 
     def method(self, *args, **kwargs):
-        rec = RECORDER
+        rec = _RECORDER
         if not rec.enabled or self.size <= 1:
             return fn(self, *args, **kwargs)
-        key = self.__dict__.get("_flight_key") or group_key(self)
         nbytes, dtype, peer = size_of(args, kwargs)
-        entry = rec.start(key, name, nbytes, dtype, peer)
+        entry = rec.start(self._flight_key or group_key(self), name, nbytes, dtype, peer)
         try:
             result = fn(self, *args, **kwargs)
         except BaseException:
             rec.end(entry)
             raise
         if nonblocking:
-            return _RecordedRequest(result, entry, rec)
+            return _RecordedRequest(result, entry)
         rec.end(entry)
         return result
 
@@ -655,6 +646,9 @@ _BLOCKING_OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "allto
                  "allreduce_scalars", "send", "recv", "split")
 _NONBLOCKING_OPS = ("iallreduce", "iallgather", "ireduce_scatter", "isend", "irecv",
                     "p2p_group", "isend_boxes", "irecv_boxes")
+from hpctrain.runtime.flight import RECORDER as _RECORDER, group_key  # noqa: E402
+
+Communicator._flight_key = None  # the group key, set per instance by group_key
 for _name in _BLOCKING_OPS + _NONBLOCKING_OPS:
     setattr(Communicator, _name, _recorded(_name, getattr(Communicator, _name),
                                            _name in _NONBLOCKING_OPS))
