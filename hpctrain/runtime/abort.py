@@ -86,11 +86,21 @@ def _abort(code: int) -> None:
     os._exit(code)
 
 
+#: Called (no arguments, errors ignored) before an exception aborts the job: the watchdog
+#: removes its channel directory, which MPI_Abort would leave behind (os._exit runs no atexit).
+BEFORE_ABORT: list = []
+
+
 def report_and_abort(exc: BaseException, code: int = 1) -> None:
     """Print the rank, the step and the traceback to stderr, then abort every rank of the job."""
     msg = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     sys.stderr.write(f"[hpctrain {rank_label()}{_where()}] unhandled {type(exc).__name__}: "
                      f"{exc}\n{msg}")
+    for hook in BEFORE_ABORT:
+        try:
+            hook()
+        except Exception:  # noqa: BLE001 - the abort must happen whatever a hook does
+            pass
     _abort(code)
 
 
