@@ -56,6 +56,17 @@ def run_single(args, timeout=300, env=None, check=True, cwd=None):
     return proc
 
 
+def run_worker_json(worker: str, out, ranks: int, args, timeout=300):
+    """Run ``worker OUT args...`` on ``ranks`` ranks (one plain process for 1) and return the
+    JSON its rank 0 wrote to ``out`` (a path): the workers that run many cases per launch."""
+    import json
+
+    argv = [worker, str(out), *args]
+    run_mpi(ranks, argv, timeout=timeout) if ranks > 1 else run_single(argv, timeout=timeout)
+    with open(out) as f:
+        return json.load(f)
+
+
 @contextlib.contextmanager
 def patched_env(env: dict):
     """Set ``env`` in os.environ for the block, then put back what was there (in-process

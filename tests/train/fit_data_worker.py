@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, get_worker_info
 
 import hpctrain
+from tests.train.fit_api_worker import collate  # dict items -> (x, y)
 
 FORK = dict(multiprocessing_context="fork")  # a cheap start for the tests' workers
 
@@ -53,11 +54,6 @@ class Stream(IterableDataset):
         first, every = (0, 1) if info is None else (info.id, info.num_workers)
         for i in range(first, len(self.x), every):
             yield {"features": self.x[i], "label": self.y[i]}
-
-
-def collate(items):
-    return (torch.stack([it["features"] for it in items]),
-            torch.stack([it["label"] for it in items]))
 
 
 class Net(nn.Module):

@@ -3,21 +3,16 @@ items, a collate_fn) train the same under zero3 at 2 ranks and fsdp at 3 as in o
 callbacks see every step; validation every few steps gives the same loss at every world
 size; early stopping stops every rank after the same step."""
 
-import json
-
 import pytest
 import torch
 
-from tests.mpirun import run_mpi, run_single
+from tests.mpirun import run_worker_json
 
 WORKER = "tests/train/fit_api_worker.py"
 
 
 def _run(tmp_path, name, ranks, *args):
-    out = tmp_path / f"{name}.json"
-    (run_mpi(ranks, [WORKER, str(out), *args]) if ranks > 1 else
-     run_single([WORKER, str(out), *args]))
-    return json.loads(out.read_text())
+    return run_worker_json(WORKER, tmp_path / f"{name}.json", ranks, args)
 
 
 @pytest.mark.mpi

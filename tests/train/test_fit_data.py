@@ -4,23 +4,18 @@ and without workers, a second pass, a resume that re-reads the stream) give one 
 losses and validation losses at 2 ranks; the readers (hpctrain/data/loader.py) on their
 own; what cannot work is one clear ConfigError."""
 
-import json
-
 import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from tests.mpirun import run_mpi, run_single
+from tests.mpirun import run_worker_json
 
 WORKER = "tests/train/fit_data_worker.py"
 CASES = ["map-workers", "stream", "stream-workers", "domain-workers"]
 
 
 def _run(tmp_path, name, ranks, cases):
-    out = tmp_path / f"{name}.json"
-    (run_mpi(ranks, [WORKER, str(out), *cases]) if ranks > 1 else
-     run_single([WORKER, str(out), *cases]))
-    return json.loads(out.read_text())
+    return run_worker_json(WORKER, tmp_path / f"{name}.json", ranks, cases)
 
 
 @pytest.mark.mpi

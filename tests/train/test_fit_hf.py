@@ -11,12 +11,10 @@ and as one input tensor under the pipeline (its pieces weighted by their tokens)
 one process with train.loss_weight = tokens, and do not with the default sample weighting.
 Two launches: every single-process case, then every 2-rank case."""
 
-import json
-
 import pytest
 import torch
 
-from tests.mpirun import run_mpi, run_single
+from tests.mpirun import run_worker_json
 
 WORKER = "tests/train/fit_hf_worker.py"
 PLANS = {"gpt2": ["zero3", "pipeline", "ddp", "fsdp"],
@@ -26,10 +24,7 @@ PLANS = {"gpt2": ["zero3", "pipeline", "ddp", "fsdp"],
 
 
 def _run(tmp_path, name, ranks, cases):
-    out = tmp_path / f"{name}.json"
-    (run_mpi(ranks, [WORKER, str(out), *cases]) if ranks > 1 else
-     run_single([WORKER, str(out), *cases]))
-    return json.loads(out.read_text())
+    return run_worker_json(WORKER, tmp_path / f"{name}.json", ranks, cases)
 
 
 def _close(got, want, what):

@@ -5,12 +5,10 @@ zero3, and fsdp; and a user's convolutional model and DataLoaders through ``fit`
 (validation during fit and after). The held-out set's last batch is short, so some ranks' parts and some
 pipeline pieces are partly or wholly empty (padded pieces count only their real rows)."""
 
-import json
-
 import pytest
 import torch
 
-from tests.mpirun import run_mpi, run_single
+from tests.mpirun import run_worker_json
 
 WORKER = "tests/train/validate_plans_worker.py"
 FOUR = ["pipeline-zero3", "tensor-dp", "domain-dp", "domain-fit"]
@@ -18,10 +16,7 @@ TWO = ["pipeline-interleaved", "fsdp"]
 
 
 def _run(tmp_path, name, ranks, cases):
-    out = tmp_path / f"{name}.json"
-    (run_mpi(ranks, [WORKER, str(out), *cases]) if ranks > 1 else
-     run_single([WORKER, str(out), *cases]))
-    return json.loads(out.read_text())
+    return run_worker_json(WORKER, tmp_path / f"{name}.json", ranks, cases)
 
 
 @pytest.mark.mpi
