@@ -76,19 +76,25 @@ def _where() -> str:
     return "".join(f" at {k} {v}" for k, v in _context.items() if k != "phase")
 
 
+#: Called (no arguments, errors ignored) before this rank aborts the job: the watchdog
+#: removes its channel directory (unless a stall is being reported from it), which MPI_Abort
+#: would leave behind (os._exit runs no atexit).
+BEFORE_ABORT: list = []
+
+
 def _abort(code: int) -> None:
     """MPI_Abort when other ranks exist, else a plain exit; never returns."""
     sys.stdout.flush()
     sys.stderr.flush()
+    for hook in BEFORE_ABORT:
+        try:
+            hook()
+        except Exception:  # noqa: BLE001 - the abort must happen whatever a hook does
+            pass
     mod = _mpi()
     if mod is not None and mod.COMM_WORLD.Get_size() > 1:
         mod.COMM_WORLD.Abort(code)
     os._exit(code)
-
-
-#: Called (no arguments, errors ignored) before an exception aborts the job: the watchdog
-#: removes its channel directory, which MPI_Abort would leave behind (os._exit runs no atexit).
-BEFORE_ABORT: list = []
 
 
 def report_and_abort(exc: BaseException, code: int = 1) -> None:
@@ -96,11 +102,6 @@ def report_and_abort(exc: BaseException, code: int = 1) -> None:
     msg = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     sys.stderr.write(f"[hpctrain {rank_label()}{_where()}] unhandled {type(exc).__name__}: "
                      f"{exc}\n{msg}")
-    for hook in BEFORE_ABORT:
-        try:
-            hook()
-        except Exception:  # noqa: BLE001 - the abort must happen whatever a hook does
-            pass
     _abort(code)
 
 

@@ -106,9 +106,10 @@ class Watchdog(threading.Thread):
             shutil.rmtree(self.channel, ignore_errors=True)
 
     def discard_channel(self) -> None:
-        """Remove the channel when this rank aborts the job for an exception (any rank: the
-        directory is shared by the ranks of a node or a file system), unless a stall is
-        being reported from it (its heartbeats and mirrors are the report's evidence)."""
+        """Remove the channel when this rank aborts the job (an exception, ranks failing
+        together; any rank: the directory is shared by the ranks of a node or a file
+        system), unless a stall is being reported from it (its heartbeats and mirrors are
+        the report's evidence)."""
         if not os.path.exists(os.path.join(self.channel, "request")):
             self.stopped = True
             self._stop_event.set()
@@ -328,6 +329,6 @@ def start_watchdog(timeout_s: float, out_dir: str, mpi_comm) -> Watchdog | None:
     # exception caught by the caller) still removes the channel: 120 of them had piled
     # up in /tmp. A stalled job aborts through os._exit and keeps its channel as evidence.
     atexit.register(dog.stop)
-    abort.BEFORE_ABORT.append(dog.discard_channel)  # an exception's MPI_Abort skips atexit
+    abort.BEFORE_ABORT.append(dog.discard_channel)  # MPI_Abort skips atexit
     _ACTIVE = dog
     return dog
