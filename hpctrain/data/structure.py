@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import torch
 
 __all__ = ["map_tensors", "rows", "to_device", "take_rows", "call_model", "zero_rows",
-           "is_tensor", "check_batch"]
+           "is_tensor", "check_batch", "leaves"]
 
 
 def is_tensor(b) -> bool:
@@ -29,20 +29,21 @@ def map_tensors(fn, b):
     return b
 
 
-def _leaves(b):
+def leaves(b):
+    """The tensors of a batch structure, in order."""
     if isinstance(b, torch.Tensor):
         yield b
     elif isinstance(b, Mapping):
         for v in b.values():
-            yield from _leaves(v)
+            yield from leaves(v)
     elif isinstance(b, (tuple, list)):
         for v in b:
-            yield from _leaves(v)
+            yield from leaves(v)
 
 
 def rows(b) -> int:
     """Samples in a batch: the leading size of its tensors."""
-    for t in _leaves(b):
+    for t in leaves(b):
         return t.shape[0]
     raise TypeError(f"a batch without tensors ({type(b).__name__})")
 
@@ -74,10 +75,9 @@ def call_model(model, x):
 def check_batch(b) -> str | None:
     """Why ``b`` is not a batch (None when it is): tensors, mappings and tuples of them,
     every tensor with the same number of rows."""
-    bad = []
-    sizes = {t.shape[0] if t.dim() else None for t in _leaves(b)}
+    sizes = {t.shape[0] if t.dim() else None for t in leaves(b)}
     if not sizes:
-        bad.append("it holds no tensor")
-    elif len(sizes) > 1:
-        bad.append(f"its tensors have different numbers of rows ({sorted(map(str, sizes))})")
-    return "; ".join(bad) or None
+        return "it holds no tensor"
+    if len(sizes) > 1:
+        return f"its tensors have different numbers of rows ({sorted(map(str, sizes))})"
+    return None

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import torch
 
-from hpctrain.data.structure import rows
+from hpctrain.data.structure import leaves, rows
 
 __all__ = ["LossWeighting"]
 
@@ -48,9 +48,8 @@ class LossWeighting:
                 return loss_fn(out, y)
             return _zero_like_loss(out)
 
-        for attr in ("cross_entropy",):  # tensor parallel swaps a marked cross-entropy
-            if hasattr(loss_fn, attr):
-                setattr(weighted, attr, getattr(loss_fn, attr))
+        if hasattr(loss_fn, "cross_entropy"):  # tensor parallel swaps a marked cross-entropy
+            weighted.cross_entropy = loss_fn.cross_entropy
         weighted.__wrapped__ = loss_fn
         return weighted
 
@@ -59,9 +58,6 @@ class LossWeighting:
 
 
 def _zero_like_loss(out):
-    from hpctrain.data.structure import map_tensors
-
-    total = []
-    map_tensors(lambda t: total.append(t.float().sum()) if t.is_floating_point() else None,
-                getattr(out, "logits", out) if not isinstance(out, torch.Tensor) else out)
-    return sum(total) * 0.0 if total else torch.zeros(())
+    """0 as a function of every floating tensor of ``out`` (a tensor, a ModelOutput, ...)."""
+    parts = [t.float().sum() for t in leaves(out) if t.is_floating_point()]
+    return sum(parts) * 0.0 if parts else torch.zeros(())
