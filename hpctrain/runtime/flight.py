@@ -17,6 +17,13 @@ op costs several times its tight-loop figure: ``bench flight`` measures both (on
 skeleton alone, start and end doing nothing, is about 3 us and the mirror about 2 us).
 ``RECORDER.enabled = False`` (runtime.flight_recorder = false) makes recording a single
 attribute test.
+
+Ops that complete on a device stream after the call returns (NCCL: the call only queues the
+kernel) end through :meth:`FlightRecorder.end_on_device` with a marker recorded on the stream
+behind them: the entry stays pending until the marker completes, so a collective hung on the
+GPU is seen as pending, as PyTorch's NCCL watchdog sees it. Completion is noticed by the next
+device-completing op (its front-of-queue check) or by the watchdog's poll, so such an op's end
+time is when its completion was observed, an upper bound.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import json
 import math
 import os
 import struct
+import threading
 from collections import deque
 from operator import itemgetter
 from time import time as _time
@@ -169,6 +177,10 @@ class FlightRecorder:
         self.pending: dict[int, Entry] = {}  # keyed by the op's number
         self.seqs: dict[str, int] = {}        # group key (+ ':p2p') -> last sequence number
         self.count = 0                        # operations started (changes = news for heartbeats)
+        # (entry, marker) of ops queued on a device stream, in queue order (end_on_device);
+        # appended by the main thread only, popped only under _reaping
+        self.device_pending: deque = deque()
+        self._reaping = threading.Lock()
 
     def start(self, key: str, op: str, nbytes: int = 0, dtype="", peer=None) -> Entry:
         """Record the start of ``op`` over group ``key``; return its entry for :meth:`end`.
@@ -223,6 +235,47 @@ class FlightRecorder:
         if TIMELINE.enabled:  # --trace: every finished op is a span on the rank's comm row
             TIMELINE.op(e)
 
+    def end_on_device(self, e: Entry, marker) -> None:
+        """``e`` was queued on a device stream and completes when ``marker`` (``.query()`` ->
+        bool, e.g. a CUDA event recorded behind the op) does: it stays pending until then.
+        The ops queued before it that have completed are ended first (one query each, from
+        the oldest; a stream completes in order)."""
+        if self.device_pending:
+            self.reap_device(front_only=True)
+        self.device_pending.append((e, marker))
+
+    def reap_device(self, front_only: bool = False) -> int:
+        """End the device-queued ops whose markers have completed; how many were ended.
+        ``front_only``: stop at the first still running (the main thread's cheap check);
+        otherwise every marker is queried (the watchdog's poll: ops of several streams may
+        complete out of queue order). A marker whose query fails ends its op: the op is
+        over, and the error surfaces in the training thread."""
+        if not self._reaping.acquire(blocking=False):
+            return 0  # the other thread is at it
+        ended = 0
+        try:
+            dp = self.device_pending
+            i = 0
+            while i < len(dp):  # by index: the main thread may append meanwhile
+                e, marker = dp[i]
+                i += 1
+                if e[9] is None:
+                    try:
+                        done = marker.query()
+                    except Exception:  # noqa: BLE001 - see the docstring
+                        done = True
+                    if not done:
+                        if front_only:
+                            break
+                        continue
+                    self.end(e)
+                    ended += 1
+            while dp and dp[0][0][9] is not None:  # drop the ended ones at the front
+                dp.popleft()
+        finally:
+            self._reaping.release()
+        return ended
+
     def op(self, key: str, op: str, nbytes: int = 0, dtype: str = ""):
         """Context manager recording one op not issued through a Communicator (Horovod)."""
         return _Scope(self, key, op, nbytes, dtype)
@@ -234,6 +287,8 @@ class FlightRecorder:
 
     def snapshot(self, last: int = 0) -> dict:
         """A JSON-able view: the ring (or its ``last`` entries), pending ops and sequence numbers."""
+        if self.device_pending:
+            self.reap_device()
         ring = list(self.ring)
         if last:
             ring = ring[-last:]

@@ -72,6 +72,13 @@ class Watchdog(threading.Thread):
         self._responded = False
         self._host = socket.gethostname()
 
+    @property
+    def report_window_s(self) -> float:
+        """From an op's start to the abort at the latest: timeout, a poll, both graces and
+        the 5 s margin of the ranks that did not report; torch's own op timeout must be
+        longer, or its watchdog ends the process before the report (Trainer sees to it)."""
+        return self.timeout_s + self.poll + 2 * self.grace + 5 + 10
+
     # ---- the loop ----------------------------------------------------------------------
 
     def attach_mirror(self) -> None:
@@ -88,6 +95,8 @@ class Watchdog(threading.Thread):
                 if os.path.exists(os.path.join(self.channel, "request")):
                     self._respond()
                     return
+                if self.rec.device_pending:  # NCCL ops end when the GPU has run them
+                    self.rec.reap_device()
                 self._heartbeat()
                 e = self.rec.oldest_pending()
                 if e is not None and time.time() - e.start > self.timeout_s:

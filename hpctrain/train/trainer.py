@@ -118,6 +118,8 @@ class Trainer:
         self.out_dir = run_dir(cfg, self.plan.name, world.mpi_comm)
         self.watchdog = start_watchdog(cfg.runtime.collective_timeout_s, self.out_dir,
                                        world.mpi_comm)
+        if self.watchdog is not None:  # NCCL's own timeout must not beat its report
+            world.comm.extend_op_timeout(self.watchdog.report_window_s)
         t = cfg.train
         self.precision = Precision(t.precision, world.device)
         options = plan_options(cfg, self.plan.flavour)

@@ -465,6 +465,31 @@ def check_zero_copy():
         raise AssertionError("the MPI buffer of a bfloat16 tensor is not its raw bytes")
 
 
+def check_op_timeout(comm):
+    """extend_op_timeout gives torch's groups, made before and after, the longer timeout (so
+    the stall watchdog reports before torch's own watchdog ends the process)."""
+    import datetime
+
+    from torch.distributed import distributed_c10d as c10d
+
+    from hpctrain.runtime.comm import torchdist
+
+    def timeout(group):
+        return group._get_backend(torch.device("cpu")).options._timeout
+
+    comm.extend_op_timeout(30)  # shorter than the 60 s it was made with: nothing changes
+    expect(timeout(c10d._get_default_group()), datetime.timedelta(seconds=60), "kept timeout")
+    comm.extend_op_timeout(700)
+    groups = [c10d._get_default_group(), *torchdist._GROUPS.values()]
+    expect([timeout(g) for g in groups], [datetime.timedelta(seconds=700)] * len(groups),
+           "extended timeouts")
+    fresh = comm.split(0, key=(comm.rank + 1) % comm.size)  # a rank order not made before
+    if comm.size > 1:  # at one rank it is the default group
+        expect(timeout(fresh.group), datetime.timedelta(seconds=700), "a later group's timeout")
+    expect(fresh.allreduce(torch.ones(1)), torch.full((1,), float(comm.size)), "allreduce")
+    fresh.free()
+
+
 def main(backend):
     if backend == "mpi":
         comm = world()
@@ -479,7 +504,8 @@ def main(backend):
     check_all(comm, backend)
     check_nonblocking(comm)
     check_splits(comm, backend)
-    if backend != "mpi":  # the list-based fallbacks for backends without tensor collectives
+    if backend != "mpi":
+        check_op_timeout(comm)  # the list-based fallbacks for backends without tensor collectives
         comm._native_collectives = False
         check_gather_scatter(comm)
         check_nonblocking(comm)

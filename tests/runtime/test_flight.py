@@ -82,6 +82,7 @@ class _Request:
 class _Comm:
     size = 2
     _flight_key = "dp[0,1]"
+    _device_marker = None  # ops complete when the call returns (not NCCL)
 
 
 @pytest.fixture

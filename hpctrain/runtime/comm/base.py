@@ -333,6 +333,10 @@ class Communicator(ABC):
         flight records name a group instance by them."""
         return None
 
+    def extend_op_timeout(self, seconds: float) -> None:
+        """A backend that times ops out by itself (torch.distributed's watchdog) allows at
+        least ``seconds``, so the stall watchdog reports first. MPI has no timeout: nothing."""
+
     def free(self) -> None:
         """Release this communicator's resources (a local call); do not use it afterwards."""
         self._free()
@@ -544,24 +548,34 @@ class Communicator(ABC):
 
 class _RecordedRequest(Request):
     """A non-blocking op's request whose completion ends its flight entry; other attributes
-    (``out``) are the wrapped request's. The entry's end (None until then) says whether it
-    was ended."""
+    (``out``) are the wrapped request's. ``marker``: the communicator's ``_device_marker``
+    (None: the op is complete when wait() returns)."""
 
-    __slots__ = ("_req", "_entry")
+    __slots__ = ("_req", "_entry", "_marker", "_ended")
 
-    def __init__(self, request, entry):
-        self._req, self._entry = request, entry
+    def __init__(self, request, entry, marker=None):
+        self._req, self._entry, self._marker, self._ended = request, entry, marker, False
 
     def wait(self):
         try:
-            return self._req.wait()
-        finally:
-            if self._entry[9] is None:
+            result = self._req.wait()
+        except BaseException:
+            if not self._ended:
+                self._ended = True
                 _RECORDER.end(self._entry)
+            raise
+        if not self._ended:
+            self._ended = True
+            if self._marker is None:
+                _RECORDER.end(self._entry)
+            else:  # the wait only queued the stream behind the op (NCCL)
+                _RECORDER.end_on_device(self._entry, self._marker())
+        return result
 
     def test(self) -> bool:
-        done = self._req.test()
-        if done and self._entry[9] is None:
+        done = self._req.test()  # True: complete, on the device too (NCCL's is_completed)
+        if done and not self._ended:
+            self._ended = True
             _RECORDER.end(self._entry)
         return done
 
@@ -632,9 +646,13 @@ def _recorded(name: str, fn, nonblocking: bool):
         except BaseException:
             rec.end(entry)
             raise
+        marker = self._device_marker
         if nonblocking:
-            return _RecordedRequest(result, entry)
-        rec.end(entry)
+            return _RecordedRequest(result, entry, marker)
+        if marker is None:
+            rec.end(entry)
+        else:  # queued on the device stream: pending until it completes there
+            rec.end_on_device(entry, marker())
         return result
 
     method.__name__, method.__qualname__, method.__doc__ = name, fn.__qualname__, fn.__doc__
@@ -649,6 +667,10 @@ _NONBLOCKING_OPS = ("iallreduce", "iallgather", "ireduce_scatter", "isend", "ire
 from hpctrain.runtime.flight import RECORDER as _RECORDER, group_key  # noqa: E402
 
 Communicator._flight_key = None  # the group key, set per instance by group_key
+# None, or (a backend whose ops complete on a device stream after the call returns: NCCL) a
+# callable returning a marker (.query() -> bool) recorded on the current stream behind the op
+# just issued: its flight entry stays pending until the marker completes.
+Communicator._device_marker = None
 for _name in _BLOCKING_OPS + _NONBLOCKING_OPS:
     setattr(Communicator, _name, _recorded(_name, getattr(Communicator, _name),
                                            _name in _NONBLOCKING_OPS))

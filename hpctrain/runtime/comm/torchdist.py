@@ -30,6 +30,17 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or getattr(
     dist, "reduce_scatter_tensor", None)
 _HAS_SORT_RANKS = "sort_ranks" in inspect.signature(dist.new_group).parameters
 _UNSUPPORTED = object()  # what _try_native returns when the backend lacks the collective
+# At least this for every group made from now on (extend_op_timeout)
+_MIN_TIMEOUT = datetime.timedelta(0)
+
+
+def _stream_marker():
+    """A CUDA event recorded on the current stream, behind the op just issued or waited
+    for (ProcessGroupNCCL makes the current stream wait for its NCCL stream): it completes
+    when the op has completed on the GPU. The flight recorder's marker for NCCL ops."""
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 # Subgroups by their global ranks in group-rank order. They are created with
 # use_local_synchronization, whose group names are hashes of the ranks, so one rank list
@@ -84,6 +95,8 @@ class TorchDistCommunicator(Communicator):
         self._timeout = timeout
         self._owns_world = owns_world
         self._native_collectives = True  # False once the backend lacks the tensor forms
+        if backend == "nccl":  # a call only queues the kernel: flight entries end on the GPU
+            self._device_marker = _stream_marker
 
     @classmethod
     def create(cls, mpi_comm, backend: str = "nccl", timeout_s: float = 600
@@ -222,6 +235,20 @@ class TorchDistCommunicator(Communicator):
     def world_ranks(self):
         return list(self._ranks)  # torch.distributed global ranks are the MPI world's
 
+    def extend_op_timeout(self, seconds: float) -> None:
+        """torch's own watchdog (NCCL's, gloo's) tears the process down when an op exceeds
+        the group's timeout; give every group of this process at least ``seconds``, now and
+        when created later, so hpctrain's stall report comes first."""
+        global _MIN_TIMEOUT
+        want = datetime.timedelta(seconds=seconds)
+        if want <= max(self._timeout, _MIN_TIMEOUT):
+            return
+        _MIN_TIMEOUT = self._timeout = want
+        if dist.is_initialized():
+            dist.distributed_c10d._set_pg_timeout(want)  # the default group
+            for group in _GROUPS.values():
+                dist.distributed_c10d._set_pg_timeout(want, group)
+
     def _free(self):
         self._mpi.free()  # frees only MPI comms made by split, never the one given to create
         if self._owns_world and dist.is_initialized():
@@ -245,7 +272,7 @@ class TorchDistCommunicator(Communicator):
                 extra["sort_ranks"] = False
             # Local synchronisation: only members call new_group, so splitting a subgroup
             # does not need the ranks outside it (which are not in this collective).
-            _GROUPS[key] = dist.new_group(ranks, timeout=self._timeout,
+            _GROUPS[key] = dist.new_group(ranks, timeout=max(self._timeout, _MIN_TIMEOUT),
                                           use_local_synchronization=True, **extra)
         return _GROUPS[key]
 
