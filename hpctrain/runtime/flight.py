@@ -17,6 +17,13 @@ op costs several times its tight-loop figure: ``bench flight`` measures both (on
 skeleton alone, start and end doing nothing, is about 3 us and the mirror about 2 us).
 ``RECORDER.enabled = False`` (runtime.flight_recorder = false) makes recording a single
 attribute test.
+
+Two implementations record the same things: the C extension ``_flightc`` (the wrapper, start
+and end in C: the Python skeleton above is most of an op's cost in place) and this module's
+pure Python, used when the extension is not built (a source tree) or when
+``HPCTRAIN_FLIGHT_PURE=1``. ``IMPLEMENTATION`` says which is active ("c" or "python");
+``FlightRecorder`` and ``Entry`` are its classes, ``PyFlightRecorder``/``CFlightRecorder``
+(None when not built) both kinds.
 """
 
 from __future__ import annotations
@@ -33,8 +40,15 @@ from time import time as _time
 from hpctrain.runtime.abort import _context
 from hpctrain.runtime.timeline import TIMELINE
 
-__all__ = ["RECORDER", "FlightRecorder", "Entry", "group_key", "members_of", "describe",
-           "human_bytes"]
+__all__ = ["RECORDER", "FlightRecorder", "Entry", "IMPLEMENTATION", "group_key", "members_of",
+           "describe", "human_bytes"]
+
+_flightc = None
+if os.environ.get("HPCTRAIN_FLIGHT_PURE", "") in ("", "0"):
+    try:
+        from hpctrain.runtime import _flightc
+    except ImportError:  # not built (a source tree, or the build failed): pure Python
+        pass
 
 
 def _field(i: int, settable: bool = False):
@@ -44,17 +58,11 @@ def _field(i: int, settable: bool = False):
     return property(get, lambda self, v: self.__setitem__(i, v))
 
 
-class Entry(list):
-    """One operation; ``end`` is None while it is pending. A list with named fields: made
-    per op on the hot path, and a list is a third of the cost of a slotted object. The dtype
-    is kept as given (a torch.dtype per op costs nothing) and named when read; a last,
-    unnamed field is the op's number on this rank (its key in ``pending``)."""
+class _EntryMethods:
+    """What both kinds of entry share: the field names, the dtype named when read."""
 
     __slots__ = ()
     FIELDS = ("seq", "op", "group", "nbytes", "dtype", "peer", "step", "phase", "start", "end")
-    seq, op, group, nbytes = (_field(i) for i in range(4))
-    peer, step, phase, start = (_field(i) for i in range(5, 9))
-    end = _field(9, settable=True)
 
     @property
     def dtype(self) -> str:
@@ -64,6 +72,31 @@ class Entry(list):
         d = dict(zip(self.FIELDS, self))  # the op's number is not a field
         d["dtype"] = dtype_name(d["dtype"])
         return d
+
+
+class PyEntry(_EntryMethods, list):
+    """One operation; ``end`` is None while it is pending. A list with named fields: made
+    per op on the hot path, and a list is a third of the cost of a slotted object. The dtype
+    is kept as given (a torch.dtype per op costs nothing) and named when read; a last,
+    unnamed field is the op's number on this rank (its key in ``pending``)."""
+
+    __slots__ = ()
+    seq, op, group, nbytes = (_field(i) for i in range(4))
+    peer, step, phase, start = (_field(i) for i in range(5, 9))
+    end = _field(9, settable=True)
+
+
+if _flightc is not None:
+    class CEntry(_EntryMethods, _flightc.Entry):
+        """:class:`PyEntry`'s fields in a C object (made by the C recorder): the same
+        indices (``e[9]`` is the end, ``e[10]`` the op's number) and names."""
+
+        __slots__ = ()
+
+        def __repr__(self) -> str:
+            return f"Entry({list(self)!r})"
+else:
+    CEntry = None
 
 
 _DTYPE_NAMES: dict = {}
@@ -155,8 +188,40 @@ def read_mirror(path: str) -> dict | None:
             "end": None if math.isnan(end) else end, "nbytes": 0, "peer": None}
 
 
-class FlightRecorder:
-    """The per-rank ring buffer of operations (see the module docstring)."""
+class _RecorderMethods:
+    """What both kinds of recorder share: reading the record, op(), end_on_device()."""
+
+    def end_on_device(self, e, marker) -> None:
+        """Record the end of ``e`` once the device work queued before ``marker`` (an object
+        with ``.query() -> bool``, from the communicator's ``_device_marker``) is done.
+        Placeholder: ends it now."""
+        self.end(e)
+
+    def op(self, key: str, op: str, nbytes: int = 0, dtype: str = ""):
+        """Context manager recording one op not issued through a Communicator (Horovod)."""
+        return _Scope(self, key, op, nbytes, dtype)
+
+    def oldest_pending(self) -> Entry | None:
+        """The pending op started first (ops may complete in any order)."""
+        pend = list(self.pending.values())  # one C-level copy: safe against the main thread
+        return pend[0] if pend else None
+
+    def snapshot(self, last: int = 0) -> dict:
+        """A JSON-able view: the ring (or its ``last`` entries), pending ops and sequence numbers."""
+        ring = list(self.ring)
+        if last:
+            ring = ring[-last:]
+        return {"entries": [e.as_dict() for e in ring],
+                "pending": [e.as_dict() for e in list(self.pending.values())],
+                "seqs": dict(self.seqs), "count": self.count}
+
+    def dump(self, path: str, **info) -> None:
+        """Write the whole record (plus ``info``: rank, host, ...) to ``path`` atomically."""
+        write_json(path, {**info, **self.snapshot()})
+
+
+class PyFlightRecorder(_RecorderMethods):
+    """The per-rank ring buffer of operations (see the module docstring), in pure Python."""
 
     def __init__(self, capacity: int = 4096):
         self.mirror = None  # a writable mmap of MIRROR_SIZE bytes, set by the watchdog
@@ -181,7 +246,7 @@ class FlightRecorder:
         step, phase = _context.get("step"), _context.get("phase")
         self.count = count = self.count + 1
         now = _time()
-        e = Entry((seq, op, key, nbytes, dtype, peer, step, phase, now, None, count))
+        e = PyEntry((seq, op, key, nbytes, dtype, peer, step, phase, now, None, count))
         self.ring.append(e)
         self.pending[count] = e
         if self._pack_header is not None:  # the mirror: one struct write into the mmap
@@ -223,27 +288,35 @@ class FlightRecorder:
         if TIMELINE.enabled:  # --trace: every finished op is a span on the rank's comm row
             TIMELINE.op(e)
 
-    def op(self, key: str, op: str, nbytes: int = 0, dtype: str = ""):
-        """Context manager recording one op not issued through a Communicator (Horovod)."""
-        return _Scope(self, key, op, nbytes, dtype)
 
-    def oldest_pending(self) -> Entry | None:
-        """The pending op started first (ops may complete in any order)."""
-        pend = list(self.pending.values())  # one C-level copy: safe against the main thread
-        return pend[0] if pend else None
+if _flightc is not None:
+    class CFlightRecorder(_RecorderMethods, _flightc.Recorder):
+        """:class:`PyFlightRecorder` with start() and end() in C (runtime/_flightc.c): the
+        same containers (``ring``, a deque; ``pending``, ``seqs``, dicts; ``count``), filled
+        by C code holding the GIL."""
 
-    def snapshot(self, last: int = 0) -> dict:
-        """A JSON-able view: the ring (or its ``last`` entries), pending ops and sequence numbers."""
-        ring = list(self.ring)
-        if last:
-            ring = ring[-last:]
-        return {"entries": [e.as_dict() for e in ring],
-                "pending": [e.as_dict() for e in list(self.pending.values())],
-                "seqs": dict(self.seqs), "count": self.count}
+        def __init__(self, capacity: int = 4096):
+            super().__init__(capacity)
+            self.mirror = None  # a writable mmap of MIRROR_SIZE bytes, set by the watchdog
 
-    def dump(self, path: str, **info) -> None:
-        """Write the whole record (plus ``info``: rank, host, ...) to ``path`` atomically."""
-        write_json(path, {**info, **self.snapshot()})
+        def set_mirror(self, mirror) -> None:
+            """Mirror the last op into ``mirror`` (a writable mmap of MIRROR_SIZE bytes; None:
+            stop, releasing it so that it can be closed)."""
+            self._set_mirror_buffer(mirror)
+            self.mirror = mirror
+
+    if (_flightc.HEADER_SIZE, _flightc.NAMES_SIZE, _flightc.NAME_SLOTS) != (
+            _HEADER.size, _NAMES.size, NAME_SLOTS):
+        raise ImportError("hpctrain.runtime._flightc was built for another mirror format; "
+                          "rebuild it (pip install -e .)")
+    _flightc.configure(CEntry, _context, TIMELINE, P2P_OPS)
+else:
+    CFlightRecorder = None
+
+#: which implementation records: "c" (the extension) or "python"
+IMPLEMENTATION = "c" if _flightc is not None else "python"
+FlightRecorder = CFlightRecorder if _flightc is not None else PyFlightRecorder
+Entry = CEntry if _flightc is not None else PyEntry
 
 
 class _Scope:

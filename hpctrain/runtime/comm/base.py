@@ -545,28 +545,41 @@ class Communicator(ABC):
 class _RecordedRequest(Request):
     """A non-blocking op's request whose completion ends its flight entry; other attributes
     (``out``) are the wrapped request's. The entry's end (None until then) says whether it
-    was ended."""
+    was ended. ``marker``: the communicator's ``_device_marker`` (ends on the device)."""
 
-    __slots__ = ("_req", "_entry")
+    __slots__ = ("_req", "_entry", "_rec", "_marker")
 
-    def __init__(self, request, entry):
-        self._req, self._entry = request, entry
+    def __init__(self, request, entry, recorder, marker=None):
+        self._req, self._entry, self._rec, self._marker = request, entry, recorder, marker
 
     def wait(self):
         try:
-            return self._req.wait()
-        finally:
+            result = self._req.wait()
+        except BaseException:
             if self._entry[9] is None:
-                _RECORDER.end(self._entry)
+                self._rec.end(self._entry)
+            raise
+        if self._entry[9] is None:
+            _finish(self._rec, self._entry, self._marker)
+        return result
 
     def test(self) -> bool:
         done = self._req.test()
         if done and self._entry[9] is None:
-            _RECORDER.end(self._entry)
+            _finish(self._rec, self._entry, self._marker)
         return done
 
     def __getattr__(self, attr):
         return getattr(self._req, attr)
+
+
+def _finish(rec, entry, marker) -> None:
+    """The op completed: end its entry, on the device when the communicator has a marker
+    factory (NCCL: the end is when the stream reaches the marker, not when the call returns)."""
+    if marker is None:
+        rec.end(entry)
+    else:
+        rec.end_on_device(entry, marker())
 
 
 def _tensor_size(args, kwargs):
@@ -615,10 +628,11 @@ _SIZERS = {"send": _p2p_size, "recv": _p2p_size, "isend": _p2p_size, "irecv": _p
            "allreduce_scalars": _scalars_size}
 
 
-def _recorded(name: str, fn, nonblocking: bool):
-    """``fn`` wrapped to record each call in the flight recorder. Every op goes through this,
-    so it is written for speed (inside a training step every line runs with cold caches):
-    one sizing function chosen here, the group key cached on the communicator."""
+def _recorded_py(name: str, fn, nonblocking: bool):
+    """``fn`` wrapped to record each call in the flight recorder, in Python (the fallback of
+    :func:`_recorded_c`). Every op goes through this, so it is written for speed (inside a
+    training step every line runs with cold caches): one sizing function chosen here, the
+    group key cached on the communicator."""
     size_of = _SIZERS.get(name, _tensor_size)
 
     def method(self, *args, **kwargs):
@@ -632,9 +646,13 @@ def _recorded(name: str, fn, nonblocking: bool):
         except BaseException:
             rec.end(entry)
             raise
+        marker = getattr(self, "_device_marker", None)
         if nonblocking:
-            return _RecordedRequest(result, entry)
-        rec.end(entry)
+            return _RecordedRequest(result, entry, rec, marker)
+        if marker is None:
+            rec.end(entry)
+        else:
+            rec.end_on_device(entry, marker())
         return result
 
     method.__name__, method.__qualname__, method.__doc__ = name, fn.__qualname__, fn.__doc__
@@ -642,13 +660,36 @@ def _recorded(name: str, fn, nonblocking: bool):
     return method
 
 
+# How the C wrapper sizes each op: _SIZERS' functions, the common ones done in C
+_C_SIZING = {"send": ("peer", 1), "recv": ("peer", 1), "isend": ("peer", 1),
+             "irecv": ("peer", 1), "isend_boxes": ("peer", 2), "irecv_boxes": ("peer", 2),
+             "p2p_group": _group_size, "allreduce_scalars": "scalars"}
+
+
+def _recorded_c(name: str, fn, nonblocking: bool):
+    """:func:`_recorded_py` in C (runtime/_flightc.c: a method descriptor called without a
+    frame, that reads ``_RECORDER`` and ``group_key`` from this module per call)."""
+    method = _flightc.Recorded(name, fn, nonblocking, _C_SIZING.get(name, "tensor"), globals())
+    method.__name__, method.__qualname__, method.__doc__ = name, fn.__qualname__, fn.__doc__
+    method.__module__, method.__wrapped__ = fn.__module__, fn
+    return method
+
+
 _BLOCKING_OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall", "barrier",
                  "allreduce_scalars", "send", "recv", "split")
 _NONBLOCKING_OPS = ("iallreduce", "iallgather", "ireduce_scatter", "isend", "irecv",
                     "p2p_group", "isend_boxes", "irecv_boxes")
-from hpctrain.runtime.flight import RECORDER as _RECORDER, group_key  # noqa: E402
+from hpctrain.runtime.flight import RECORDER as _RECORDER, _flightc, group_key  # noqa: E402
+
+#: the wrapper of the active implementation (flight.IMPLEMENTATION)
+_recorded = _recorded_c if _flightc is not None else _recorded_py
+if _flightc is not None:
+    Request.register(_flightc.RecordedRequest)
 
 Communicator._flight_key = None  # the group key, set per instance by group_key
+#: None, or (NCCL) a zero-argument callable returning a marker with ``.query() -> bool``: a
+#: completed op's entry then ends when the device reaches the marker (rec.end_on_device)
+Communicator._device_marker = None
 for _name in _BLOCKING_OPS + _NONBLOCKING_OPS:
     setattr(Communicator, _name, _recorded(_name, getattr(Communicator, _name),
                                            _name in _NONBLOCKING_OPS))
