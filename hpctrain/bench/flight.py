@@ -191,8 +191,11 @@ def run(strategy: str = "zero3", model: str = "gpt", steps: int = 2, blocks: int
                                 steps, blocks, batch, control)) for s in names]
     cost = _per_op_cost_s(world.host)
     if world.rank == 0:
+        from hpctrain.runtime.flight import IMPLEMENTATION
+
         print(f"bench flight: {strategy}, model {model}, {world.size} ranks, global batch "
-              f"{batch}, {blocks // 2} blocks of {steps} steps per mode"
+              f"{batch}, {blocks // 2} blocks of {steps} steps per mode, recorder "
+              f"implementation {IMPLEMENTATION}"
               + (" (CONTROL: recorder on in both modes; the ratio is the noise)" if control else ""))
         print(f"  recorder cost on a live communicator: {cost * 1e6:.2f} us/op")
         for name, on, off, per_step, in_place in results:
