@@ -155,6 +155,27 @@ def test_the_mirror_keeps_the_last_op_pending_while_an_older_one_ends(kind, mirr
     assert rec.mirror is None  # released: the mmap can be closed
 
 
+def test_a_new_mirror_gets_the_names_again(kind, tmp_path, context):
+    """Names are written into each mirror's table once: a new mirror (a restarted watchdog)
+    starts its own table, and a phase change is a new row."""
+    rec = kind.Recorder()
+    for n in range(2):
+        path = tmp_path / f"last-{n}.bin"
+        path.write_bytes(b"\0" * MIRROR_SIZE)
+        with open(path, "r+b") as f:
+            m = mmap.mmap(f.fileno(), MIRROR_SIZE)
+            rec.set_mirror(m)
+            for phase in ("forward", "backward", "forward"):
+                set_context(phase=phase)
+                rec.end(rec.start("dp[0,1]", "allreduce", 8, "float32"))
+                got = read_mirror(str(path))
+                assert (got["op"], got["group"], got["phase"]) == ("allreduce", "dp[0,1]", phase)
+            rec.set_mirror(None)
+            m.close()
+        raw = path.read_bytes()
+        assert raw[48:48 + 88 * 2] and raw[48 + 88 * 2:48 + 88 * 3] == b"\0" * 88  # two rows
+
+
 LONG_OP = "reduce_scatter_long_nam" + "é" + "_and_more"  # cut inside the é: 24 bytes
 
 
