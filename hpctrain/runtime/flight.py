@@ -13,13 +13,15 @@ the pending dict are only appended/removed under the GIL, so no lock is taken on
 Cost: two clock reads, a few dict operations and one mirror write per op; what can wait is
 done when read (dtype names). Inside a training step every line runs with cold caches, so an
 op costs several times its tight-loop figure: ``bench flight`` measures both (on a shared
-2-core machine about 1.5-2 us per op in a loop, 7-12 us in place, of which the wrapper's
-skeleton alone, start and end doing nothing, is about 3 us and the mirror about 2 us).
+2-core machine, in pure Python about 1.7-2 us per op in a loop, 8-14 us in place, of which the
+wrapper's skeleton alone, start and end doing nothing, is about 3 us and the mirror about 2 us;
+with the C extension 0.8-0.9 us in a loop, 2.3-2.5 us in place for the tiny step's ops).
 ``RECORDER.enabled = False`` (runtime.flight_recorder = false) makes recording a single
 attribute test.
 
 Two implementations record the same things: the C extension ``_flightc`` (the wrapper, start
-and end in C: the Python skeleton above is most of an op's cost in place) and this module's
+and end in C, built with the package: the Python skeleton is most of an op's cost in place,
+and a step of small collectives needs the C path to stay under 1%) and this module's
 pure Python, used when the extension is not built (a source tree) or when
 ``HPCTRAIN_FLIGHT_PURE=1``. ``IMPLEMENTATION`` says which is active ("c" or "python");
 ``FlightRecorder`` and ``Entry`` are its classes, ``PyFlightRecorder``/``CFlightRecorder``

@@ -367,9 +367,11 @@ def test_sequence_numbers_count_per_group_with_point_to_point_apart(kind, record
     allreduce(world, t)
     req.wait()
     got = [(e.op, e.group, e.seq, e.step, e.phase) for e in recorder.ring]
-    assert got == [("allreduce", "dp[0,1]", 1, 3, "forward"), ("send", "dp[0,1]", 1, 3, "forward"),
+    assert got == [("allreduce", "dp[0,1]", 1, 3, "forward"),
+                   ("send", "dp[0,1]", 1, 3, "forward"),
                    ("allreduce", "pp[0,2]", 1, 3, "forward"),
-                   ("irecv", "dp[0,1]", 2, 4, "backward"), ("allreduce", "dp[0,1]", 2, 4, "backward"),
+                   ("irecv", "dp[0,1]", 2, 4, "backward"),
+                   ("allreduce", "dp[0,1]", 2, 4, "backward"),
                    ("allreduce", "world[0-3]", 1, 4, "backward"),
                    ("allreduce", "world[0-3]", 2, 4, "backward")]
     assert recorder.seqs == {"dp[0,1]": 2, "dp[0,1]:p2p": 2, "pp[0,2]": 1, "world[0-3]": 2}
