@@ -12,8 +12,7 @@ Layout:
                    phase, start, end) and the op's number on this rank (its key in
                    ``pending``); a sequence (``e[9]`` is the end, settable) with named
                    getters; flight.CEntry subclasses it (dtype names, as_dict). The times are
-                   C doubles made floats when read, and entries are not tracked by the GC:
-                   fewer allocations per op.
+                   C doubles made floats when read (two allocations less per op).
   Recorder         the recorder's state and its start()/end(): ``enabled``, ``count``, the
                    ring (a collections.deque with maxlen), ``pending`` (dict: number ->
                    entry, in start order), ``seqs`` (dict: group key, + ':p2p' for
@@ -149,13 +148,13 @@ kwarg(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, PyObject *name
 
 typedef struct {
     PyObject_HEAD
-    PyObject *f[NSLOTS]; /* f[F_START] and f[F_END] unused (NULL): */
+    PyObject *f[NSLOTS]; /* f[F_START] and f[F_END] unused (NULL), for: */
     double start, end;   /* times are kept as numbers, made floats when read */
     int ended;           /* end is set (else None) */
 } Entry;
 
-/* Not tracked by the GC (a cheaper allocation per op): an entry's fields (ints, strings,
-   dtypes, a list of peers) never lead back to it. */
+/* No GC traversal of the fields: an entry's fields (ints, strings, dtypes, a list of peers)
+   never lead back to it. (flight.CEntry, a heap subclass, is still GC-tracked, for its type.) */
 static void
 entry_dealloc(Entry *self)
 {
@@ -473,6 +472,12 @@ mirror_start(Recorder *self, PyObject *op, PyObject *key, PyObject *phase, Py_ss
     names = PyTuple_Pack(3, op, key, phase);
     if (names == NULL)
         goto fail;
+    /* allocating a tuple may run a collection, finalizers, and so another thread: the
+       watchdog's may have released the mirror meanwhile. Nothing below runs Python code. */
+    if (!self->has_mirror) {
+        Py_DECREF(names);
+        return;
+    }
     PyObject *known = PyDict_GetItemWithError(self->names, names);
     if (known != NULL) {
         index = PyLong_AsLongLong(known);
@@ -554,15 +559,6 @@ rec_start(Recorder *self, PyObject *key, PyObject *op, int p2p, PyObject *nbytes
     }
     else if (PyErr_Occurred())
         return NULL;
-    PyObject *step = PyDict_GetItemWithError(context, S_step);
-    if (step == NULL && PyErr_Occurred())
-        return NULL;
-    PyObject *phase = PyDict_GetItemWithError(context, S_phase);
-    if (phase == NULL && PyErr_Occurred())
-        return NULL;
-    step = step ? step : Py_None;
-    phase = phase ? phase : Py_None;
-    double now = wall_time();
 
     /* everything that can fail to allocate, before anything is changed */
     PyObject *seq_obj = PyLong_FromSsize_t(seq);
@@ -575,15 +571,25 @@ rec_start(Recorder *self, PyObject *key, PyObject *op, int p2p, PyObject *nbytes
         return NULL;
     }
     e->f[F_SEQ] = seq_obj;
+    e->f[F_NUMBER] = number;
+    /* step and phase are borrowed from the context: held at once (an allocation in
+       between could run a collection, finalizers, another thread that changes them) */
+    PyObject *step = PyDict_GetItemWithError(context, S_step);
+    PyObject *phase = step || !PyErr_Occurred() ? PyDict_GetItemWithError(context, S_phase)
+                                                : NULL;
+    if (PyErr_Occurred()) {
+        Py_DECREF(e);
+        return NULL;
+    }
+    e->f[F_STEP] = step = Py_NewRef(step ? step : Py_None);
+    e->f[F_PHASE] = phase = Py_NewRef(phase ? phase : Py_None);
     e->f[F_OP] = Py_NewRef(op);
     e->f[F_GROUP] = Py_NewRef(key);
     e->f[F_NBYTES] = Py_NewRef(nbytes);
     e->f[F_DTYPE] = Py_NewRef(dtype);
     e->f[F_PEER] = Py_NewRef(peer);
-    e->f[F_STEP] = Py_NewRef(step);
-    e->f[F_PHASE] = Py_NewRef(phase);
+    double now = wall_time();
     e->start = now;
-    e->f[F_NUMBER] = number;
 
     if (PyDict_SetItem(self->seqs, skey, seq_obj) < 0)
         goto fail;
@@ -1205,17 +1211,16 @@ recorded_vectorcall(Recorded *self, PyObject *const *args, size_t nargsf, PyObje
             PyErr_SetString(PyExc_NameError, "name '_RECORDER' is not defined");
         return NULL;
     }
+    Py_INCREF(rec); /* the recorder that starts the entry ends it, even if _RECORDER changes */
     int on = recorder_on(rec);
     if (on > 0) { /* size-1 communicators are skipped: nothing can stall there */
         int small = size_one(comm);
         on = small < 0 ? -1 : !small;
     }
-    if (on < 0)
-        return NULL;
-    if (!on)
-        return PyObject_Vectorcall(self->fn, args, nargsf, kwnames);
-
-    Py_INCREF(rec); /* the recorder that starts the entry ends it, even if _RECORDER changes */
+    if (on <= 0) {
+        Py_DECREF(rec);
+        return on < 0 ? NULL : PyObject_Vectorcall(self->fn, args, nargsf, kwnames);
+    }
     PyObject *nbytes, *dtype, *peer, *entry = NULL;
     if (size_op(self, args + 1, nargs - 1, kwnames, &nbytes, &dtype, &peer) == 0) {
         PyObject *key = group_of(self, comm);
@@ -1246,8 +1251,23 @@ recorded_vectorcall(Recorded *self, PyObject *const *args, size_t nargsf, PyObje
         Py_DECREF(rec);
         return NULL;
     }
-    if (self->nonblocking)
-        return request_make(result, entry, rec, marker);
+    if (self->nonblocking) {
+        PyObject *req = request_make(Py_NewRef(result), Py_NewRef(entry), Py_NewRef(rec),
+                                     Py_XNewRef(marker));
+        if (req != NULL) {
+            Py_DECREF(result);
+            result = req;
+        }
+        else { /* no wrapper (out of memory): the op's own request, its entry ended now */
+            PyErr_Clear();
+            if (end_any(rec, entry) < 0)
+                PyErr_Clear();
+        }
+        Py_XDECREF(marker);
+        Py_DECREF(entry);
+        Py_DECREF(rec);
+        return result;
+    }
     int err = finish(rec, entry, marker);
     Py_XDECREF(marker);
     Py_DECREF(entry);

@@ -554,3 +554,42 @@ def test_the_communicator_methods_are_recorded_wrappers():
     assert method.__doc__ == method.__wrapped__.__doc__
     assert "tensor" in inspect.signature(base.Communicator.allreduce).parameters
     assert base.Communicator.allreduce is method
+
+
+def test_a_failing_allocation_raises_cleanly_and_leaves_nothing_pending(monkeypatch):
+    """Every allocation of a recorded op made to fail in turn (the C path): the op raises
+    MemoryError or completes; no crash, no entry left pending, the mirror intact."""
+    _testcapi = pytest.importorskip("_testcapi")
+    if flight.CFlightRecorder is None or not hasattr(_testcapi, "set_nomemory"):
+        pytest.skip("needs the C extension and _testcapi.set_nomemory")
+    rec = flight.CFlightRecorder(16)
+    monkeypatch.setattr(base, "_RECORDER", rec)
+    m = mmap.mmap(-1, MIRROR_SIZE)
+    rec.set_mirror(m)
+    allreduce = base._recorded_c("allreduce", lambda self, t: t, False)
+    isend = base._recorded_c("isend", lambda self, t, dest: base.CompletedRequest(t), True)
+    comm, t, reqs = _Comm(), torch.ones(2), [None] * 80  # kept, without allocating
+
+    def nonblocking(i):
+        reqs[i] = isend(comm, t, 1)
+        reqs[i].wait()  # (a request whose wait() cannot even be looked up stays pending)
+
+    failed = 0
+    try:
+        for i in range(80):
+            for op in (lambda i: allreduce(comm, t), nonblocking):
+                _testcapi.set_nomemory(i, i + 1)
+                try:
+                    op(i)
+                except MemoryError:
+                    failed += 1
+                finally:
+                    _testcapi.remove_mem_hooks()
+    finally:
+        rec.set_mirror(None)
+    for req in reqs:
+        if req is not None:
+            req.wait()
+    assert failed and not rec.pending
+    assert allreduce(comm, t) is t and rec.ring[-1].end is not None
+    m.close()
