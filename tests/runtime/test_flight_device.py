@@ -5,13 +5,13 @@ markers are fakes with a switch; the CUDA marker itself is checked where a GPU i
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from hpctrain.runtime import flight
 from hpctrain.runtime.comm import base
-from hpctrain.runtime.comm.base import _recorded
-from hpctrain.runtime.flight import FlightRecorder
 from hpctrain.runtime.watchdog import Watchdog
 
 
@@ -53,85 +53,91 @@ class _Request:
         return self.done
 
 
-@pytest.fixture
-def recorder(monkeypatch):
-    rec = FlightRecorder()
+@pytest.fixture(params=["c", "python"])
+def k(request, monkeypatch):
+    """Each implementation (runtime/_flightc.c, pure Python): a fresh recorder in place of
+    the process's one (``k.rec``), its wrapper (``k.recorded``) and two wrapped ops."""
+    if request.param == "c":
+        if flight.CFlightRecorder is None:
+            pytest.skip("the C extension is not built (or HPCTRAIN_FLIGHT_PURE=1)")
+        rec, wrap = flight.CFlightRecorder(), base._recorded_c
+    else:
+        rec, wrap = flight.PyFlightRecorder(), base._recorded_py
     monkeypatch.setattr(base, "_RECORDER", rec)
-    return rec
+    return SimpleNamespace(rec=rec, recorded=wrap,
+                           allreduce=wrap("allreduce", lambda self, t, op="sum": None, False),
+                           iallreduce=wrap("iallreduce", lambda self, t, op="sum": _Request(),
+                                           True))
 
 
-allreduce = _recorded("allreduce", lambda self, t, op="sum": None, False)
-iallreduce = _recorded("iallreduce", lambda self, t, op="sum": _Request(), True)
-
-
-def test_a_queued_op_stays_pending_until_its_marker_completes(recorder):
+def test_a_queued_op_stays_pending_until_its_marker_completes(k):
     comm = _Comm()
-    allreduce(comm, torch.ones(4))
-    allreduce(comm, torch.ones(4))
-    first, second = recorder.ring
-    assert list(recorder.pending.values()) == [first, second] and first.end is None
-    assert recorder.oldest_pending() is first  # what the watchdog times
+    k.allreduce(comm, torch.ones(4))
+    k.allreduce(comm, torch.ones(4))
+    first, second = k.rec.ring
+    assert list(k.rec.pending.values()) == [first, second] and first.end is None
+    assert k.rec.oldest_pending() is first  # what the watchdog times
     comm.markers[0].done = True
-    allreduce(comm, torch.ones(4))  # the next queued op ends the completed ones before it
+    k.allreduce(comm, torch.ones(4))  # the next queued op ends the completed ones before it
     assert first.end is not None and second.end is None
     assert comm.markers[1].queries == 1  # the front check stops at the first running one
-    assert [e for e, _ in recorder.device_pending] == [second, recorder.ring[2]]
+    assert [e for e, _ in k.rec.device_pending] == [second, k.rec.ring[2]]
     for m in comm.markers:
         m.done = True
-    assert recorder.reap_device() == 2 and not recorder.pending and not recorder.device_pending
+    assert k.rec.reap_device() == 2 and not k.rec.pending and not k.rec.device_pending
 
 
-def test_the_full_scan_ends_ops_of_other_streams_out_of_order(recorder):
+def test_the_full_scan_ends_ops_of_other_streams_out_of_order(k):
     """Front-only stops at a running op; the watchdog's scan ends the later ones already done
     (ops of several streams); they leave the queue once everything before them has."""
     comm = _Comm()
     for _ in range(3):
-        allreduce(comm, torch.ones(2))
-    a, b, c = recorder.ring
+        k.allreduce(comm, torch.ones(2))
+    a, b, c = k.rec.ring
     comm.markers[1].done = comm.markers[2].done = True
-    assert recorder.reap_device(front_only=True) == 0 and b.end is None
-    assert recorder.reap_device() == 2 and (a.end, b.end is None, c.end is None) == (None,
+    assert k.rec.reap_device(front_only=True) == 0 and b.end is None
+    assert k.rec.reap_device() == 2 and (a.end, b.end is None, c.end is None) == (None,
                                                                                       False, False)
-    assert len(recorder.device_pending) == 3 and recorder.oldest_pending() is a
+    assert len(k.rec.device_pending) == 3 and k.rec.oldest_pending() is a
     comm.markers[0].done = True
-    assert recorder.reap_device(front_only=True) == 1 and not recorder.device_pending
+    assert k.rec.reap_device(front_only=True) == 1 and not k.rec.device_pending
 
 
-def test_a_waited_request_is_handed_to_the_device_once(recorder):
+def test_a_waited_request_is_handed_to_the_device_once(k):
     """wait() queues the stream behind the op (NCCL), so the entry waits for the marker, once
     however often wait() is called; test() True means complete on the device: ended there."""
     comm = _Comm()
-    req = iallreduce(comm, torch.ones(3))
-    (e,) = recorder.pending.values()
+    req = k.iallreduce(comm, torch.ones(3))
+    (e,) = k.rec.pending.values()
     req.wait()
     req.wait()
-    assert len(comm.markers) == 1 and e.end is None and len(recorder.device_pending) == 1
+    assert len(comm.markers) == 1 and e.end is None and len(k.rec.device_pending) == 1
     comm.markers[0].done = True
-    recorder.reap_device()
-    assert e.end is not None and not recorder.pending
-    polled = iallreduce(comm, torch.ones(3))
+    k.rec.reap_device()
+    assert e.end is not None and not k.rec.pending
+    polled = k.iallreduce(comm, torch.ones(3))
     polled._req.done = True
-    assert polled.test() is True and recorder.ring[-1].end is not None
+    assert polled.test() is True and k.rec.ring[-1].end is not None
     polled.wait()
-    assert len(comm.markers) == 1 and not recorder.device_pending  # no second hand-off
+    assert len(comm.markers) == 1 and not k.rec.device_pending  # no second hand-off
 
 
-def test_a_failing_op_or_marker_ends_its_entry(recorder):
+def test_a_failing_op_or_marker_ends_its_entry(k):
     comm = _Comm()
-    broken = _recorded("allreduce", lambda self, t, op="sum": 1 / 0, False)
+    broken = k.recorded("allreduce", lambda self, t, op="sum": 1 / 0, False)
     with pytest.raises(ZeroDivisionError):
         broken(comm, torch.ones(2))
-    assert not recorder.pending and not comm.markers  # the op never ran: no marker
-    allreduce(comm, torch.ones(2))
+    assert not k.rec.pending and not comm.markers  # the op never ran: no marker
+    k.allreduce(comm, torch.ones(2))
     comm.markers[0].broken = True  # the error surfaces in the training thread, not here
-    assert recorder.reap_device() == 1 and not recorder.pending
+    assert k.rec.reap_device() == 1 and not k.rec.pending
 
 
-def test_a_snapshot_reaps_first(recorder):
+def test_a_snapshot_reaps_first(k):
     comm = _Comm()
-    allreduce(comm, torch.ones(2))
+    k.allreduce(comm, torch.ones(2))
     comm.markers[0].done = True
-    snap = recorder.snapshot()
+    snap = k.rec.snapshot()
     assert not snap["pending"] and snap["entries"][0]["end"] is not None
 
 
@@ -144,27 +150,27 @@ def _watch(rec, tmp_path, timeout_s):
     return dog, requested
 
 
-def test_the_watchdog_reports_an_op_hung_on_the_device(recorder, tmp_path):
+def test_the_watchdog_reports_an_op_hung_on_the_device(k, tmp_path):
     comm = _Comm()
-    allreduce(comm, torch.ones(8))  # the call returned; the GPU never runs it
-    dog, requested = _watch(recorder, tmp_path, 0.3)
+    k.allreduce(comm, torch.ones(8))  # the call returned; the GPU never runs it
+    dog, requested = _watch(k.rec, tmp_path, 0.3)
     dog.join(5)
-    assert requested == [recorder.ring[0]]
+    assert requested == [k.rec.ring[0]]
     assert requested[0].op == "allreduce" and requested[0].end is None
 
 
-def test_the_watchdog_ends_device_ops_that_complete(recorder, tmp_path):
+def test_the_watchdog_ends_device_ops_that_complete(k, tmp_path):
     """A GPU merely behind the host is never reported: the watchdog's poll ends the queued
     ops as they complete, though no further op comes to end them."""
     comm = _Comm()
-    allreduce(comm, torch.ones(8))
-    dog, requested = _watch(recorder, tmp_path, 0.5)
+    k.allreduce(comm, torch.ones(8))
+    dog, requested = _watch(k.rec, tmp_path, 0.5)
     try:
         threading.Timer(0.2, lambda: setattr(comm.markers[0], "done", True)).start()
         deadline = time.time() + 5
-        while recorder.pending and time.time() < deadline:
+        while k.rec.pending and time.time() < deadline:
             time.sleep(0.02)
-        assert not recorder.pending and not recorder.device_pending
+        assert not k.rec.pending and not k.rec.device_pending
         time.sleep(0.7)  # past the timeout: nothing is reported
         assert requested == [] and dog.is_alive()
     finally:

@@ -548,39 +548,47 @@ class Communicator(ABC):
 
 class _RecordedRequest(Request):
     """A non-blocking op's request whose completion ends its flight entry; other attributes
-    (``out``) are the wrapped request's. ``marker``: the communicator's ``_device_marker``
-    (None: the op is complete when wait() returns)."""
+    (``out``) are the wrapped request's. The entry's end (None until then) says whether it
+    was ended. ``marker``: the communicator's ``_device_marker`` (ends on the device)."""
 
-    __slots__ = ("_req", "_entry", "_marker", "_ended")
+    __slots__ = ("_req", "_entry", "_rec", "_marker", "_finished")
 
-    def __init__(self, request, entry, marker=None):
-        self._req, self._entry, self._marker, self._ended = request, entry, marker, False
+    def __init__(self, request, entry, recorder, marker=None):
+        self._req, self._entry, self._rec, self._marker = request, entry, recorder, marker
+        self._finished = False  # ended, or handed to the device (its end then comes later)
 
     def wait(self):
         try:
             result = self._req.wait()
         except BaseException:
-            if not self._ended:
-                self._ended = True
-                _RECORDER.end(self._entry)
+            if self._entry[9] is None:
+                self._rec.end(self._entry)
             raise
-        if not self._ended:
-            self._ended = True
-            if self._marker is None:
-                _RECORDER.end(self._entry)
-            else:  # the wait only queued the stream behind the op (NCCL)
-                _RECORDER.end_on_device(self._entry, self._marker())
+        if not self._finished:
+            self._finished = True
+            if self._entry[9] is None:  # NCCL: the wait only queued the stream behind the op
+                _finish(self._rec, self._entry, self._marker)
         return result
 
     def test(self) -> bool:
         done = self._req.test()  # True: complete, on the device too (NCCL's is_completed)
-        if done and not self._ended:
-            self._ended = True
-            _RECORDER.end(self._entry)
+        if done and not self._finished:
+            self._finished = True
+            if self._entry[9] is None:
+                self._rec.end(self._entry)
         return done
 
     def __getattr__(self, attr):
         return getattr(self._req, attr)
+
+
+def _finish(rec, entry, marker) -> None:
+    """The op completed: end its entry, on the device when the communicator has a marker
+    factory (NCCL: the end is when the stream reaches the marker, not when the call returns)."""
+    if marker is None:
+        rec.end(entry)
+    else:
+        rec.end_on_device(entry, marker())
 
 
 def _tensor_size(args, kwargs):
@@ -629,10 +637,11 @@ _SIZERS = {"send": _p2p_size, "recv": _p2p_size, "isend": _p2p_size, "irecv": _p
            "allreduce_scalars": _scalars_size}
 
 
-def _recorded(name: str, fn, nonblocking: bool):
-    """``fn`` wrapped to record each call in the flight recorder. Every op goes through this,
-    so it is written for speed (inside a training step every line runs with cold caches):
-    one sizing function chosen here, the group key cached on the communicator."""
+def _recorded_py(name: str, fn, nonblocking: bool):
+    """``fn`` wrapped to record each call in the flight recorder, in Python (the fallback of
+    :func:`_recorded_c`). Every op goes through this, so it is written for speed (inside a
+    training step every line runs with cold caches): one sizing function chosen here, the
+    group key cached on the communicator."""
     size_of = _SIZERS.get(name, _tensor_size)
 
     def method(self, *args, **kwargs):
@@ -646,12 +655,12 @@ def _recorded(name: str, fn, nonblocking: bool):
         except BaseException:
             rec.end(entry)
             raise
-        marker = self._device_marker
+        marker = getattr(self, "_device_marker", None)
         if nonblocking:
-            return _RecordedRequest(result, entry, marker)
+            return _RecordedRequest(result, entry, rec, marker)
         if marker is None:
             rec.end(entry)
-        else:  # queued on the device stream: pending until it completes there
+        else:
             rec.end_on_device(entry, marker())
         return result
 
@@ -660,16 +669,35 @@ def _recorded(name: str, fn, nonblocking: bool):
     return method
 
 
+# How the C wrapper sizes each op: _SIZERS' functions, the common ones done in C
+_C_SIZING = {"send": ("peer", 1), "recv": ("peer", 1), "isend": ("peer", 1),
+             "irecv": ("peer", 1), "isend_boxes": ("peer", 2), "irecv_boxes": ("peer", 2),
+             "p2p_group": _group_size, "allreduce_scalars": "scalars"}
+
+
+def _recorded_c(name: str, fn, nonblocking: bool):
+    """:func:`_recorded_py` in C (runtime/_flightc.c: a method descriptor called without a
+    frame, that reads ``_RECORDER`` and ``group_key`` from this module per call)."""
+    method = _flightc.Recorded(name, fn, nonblocking, _C_SIZING.get(name, "tensor"), globals())
+    method.__name__, method.__qualname__, method.__doc__ = name, fn.__qualname__, fn.__doc__
+    method.__module__, method.__wrapped__ = fn.__module__, fn
+    return method
+
+
 _BLOCKING_OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall", "barrier",
                  "allreduce_scalars", "send", "recv", "split")
 _NONBLOCKING_OPS = ("iallreduce", "iallgather", "ireduce_scatter", "isend", "irecv",
                     "p2p_group", "isend_boxes", "irecv_boxes")
-from hpctrain.runtime.flight import RECORDER as _RECORDER, group_key  # noqa: E402
+from hpctrain.runtime.flight import RECORDER as _RECORDER, _flightc, group_key  # noqa: E402
+
+#: the wrapper of the active implementation (flight.IMPLEMENTATION)
+_recorded = _recorded_c if _flightc is not None else _recorded_py
+if _flightc is not None:
+    Request.register(_flightc.RecordedRequest)
 
 Communicator._flight_key = None  # the group key, set per instance by group_key
-# None, or (a backend whose ops complete on a device stream after the call returns: NCCL) a
-# callable returning a marker (.query() -> bool) recorded on the current stream behind the op
-# just issued: its flight entry stays pending until the marker completes.
+#: None, or (NCCL) a zero-argument callable returning a marker with ``.query() -> bool``: a
+#: completed op's entry then ends when the device reaches the marker (rec.end_on_device)
 Communicator._device_marker = None
 for _name in _BLOCKING_OPS + _NONBLOCKING_OPS:
     setattr(Communicator, _name, _recorded(_name, getattr(Communicator, _name),
