@@ -24,8 +24,9 @@ Layout:
                    descriptor with vectorcall (Py_TPFLAGS_METHOD_DESCRIPTOR), so
                    ``comm.allreduce(t)`` runs without a bound method, a frame or an args
                    tuple. It reads base's ``_RECORDER`` at each call (tests swap it).
-  RecordedRequest  a non-blocking op's request: ends the entry on wait(), or on the first
-                   test() that returns True; other attributes are the wrapped request's.
+  RecordedRequest  a non-blocking op's request: ends the entry on wait() (on NCCL hands it
+                   to rec.end_on_device, once), or on the first test() that returns True;
+                   other attributes are the wrapped request's.
 
 configure() hands in the Python objects read here: the Entry class to make, abort._context
 (step, phase), the TIMELINE (ended ops are spans when --trace is on) and P2P_OPS.
