@@ -548,8 +548,8 @@ class Communicator(ABC):
 
 class _RecordedRequest(Request):
     """A non-blocking op's request whose completion ends its flight entry; other attributes
-    (``out``) are the wrapped request's. The entry's end (None until then) says whether it
-    was ended. ``marker``: the communicator's ``_device_marker`` (ends on the device)."""
+    (``out``) are the wrapped request's. ``marker``: the communicator's ``_device_marker``
+    (the entry of a waited op then ends on the device)."""
 
     __slots__ = ("_req", "_entry", "_rec", "_marker", "_finished")
 
@@ -658,10 +658,7 @@ def _recorded_py(name: str, fn, nonblocking: bool):
         marker = getattr(self, "_device_marker", None)
         if nonblocking:
             return _RecordedRequest(result, entry, rec, marker)
-        if marker is None:
-            rec.end(entry)
-        else:
-            rec.end_on_device(entry, marker())
+        _finish(rec, entry, marker)
         return result
 
     method.__name__, method.__qualname__, method.__doc__ = name, fn.__qualname__, fn.__doc__
