@@ -8,10 +8,30 @@ import sys
 
 from hpctrain import __version__
 from hpctrain.config import BUILTIN_MODELS, STRATEGIES, ConfigError, load_config, parse_assignment
-from hpctrain.errors import UsageError
+from hpctrain.errors import UsageError, UserInputError
 from hpctrain.train.nonfinite import NONFINITE_EXIT_CODE
 
 __all__ = ["main", "build_parser"]
+
+def _ranks_per_node(text: str) -> int:
+    """--ranks-per-node: a positive count; leaving the flag out detects the nodes."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer (ranks per "
+                                         f"node to pretend); leave the flag out to detect the "
+                                         f"nodes")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """A bad flag is one line, as every other input error (not the whole usage)."""
+
+    def error(self, message):
+        self.exit(2, f"hpctrain: error: {message} (see '{self.prog} --help')\n")
+
 
 # flag -> (section, key); the flags override the TOML file.
 TRAIN_FLAGS = {
@@ -49,7 +69,8 @@ TRAIN_FLAGS = {
              "with the dp flavour)"),
     "dp_flavour": ("runtime", "dp_flavour", str, "data-parallel flavour over the mesh's dp "
                    "replicas: ddp, zero1, zero2, zero3 or fsdp"),
-    "ranks_per_node": ("runtime", "ranks_per_node", int, "pretend N ranks per node"),
+    "ranks_per_node": ("runtime", "ranks_per_node", _ranks_per_node,
+                       "pretend N ranks per node (default: detect the nodes)"),
     "device": ("runtime", "device", str, "auto, cpu or cuda"),
     "collective_timeout_s": ("runtime", "collective_timeout_s", float, "end the job with a "
                              "stall report when a communication op is pending this long (0: off)"),
@@ -76,7 +97,7 @@ written from that state); 75 pre-empted (checkpoint written, rerun to resume).""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hpctrain", description="Train PyTorch models on supercomputers.")
+    p = _Parser(prog="hpctrain", description="Train PyTorch models on supercomputers.")
     p.add_argument("--version", action="version", version=f"hpctrain {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     t = sub.add_parser("train", help="train a model (default: gpt, single process)",
@@ -357,6 +378,8 @@ def _prepare(args, launch):
 
     try:
         built = build_model(cfg, size)  # imports a user's factory: fail here, before MPI starts
+    except ConfigError as exc:  # train.model_options
+        return _fail(rank, str(exc))
     except (ValueError, TypeError, ImportError) as exc:
         return _fail(rank, f"train.model = {cfg.train.model!r}: {exc}")
     except OSError as exc:  # e.g. the data set file cannot be written
@@ -406,8 +429,17 @@ def cmd_train(args) -> int:
     except UsageError as exc:
         # srun without PMI: each process is alone in its MPI world, so each one says it.
         return fail_together(str(exc), code=2)
+    trainer = Trainer(cfg, world=world, built=built)
     try:
-        Trainer(cfg, world=world, built=built).fit()
+        trainer.setup()
+    except UserInputError as exc:
+        # What the plan cannot run, found building it (the model's layers, its inputs): the
+        # same on every rank, so one line and exit 2 as before MPI; some ranks only: abort.
+        return fail_together(str(exc), code=2)
+    except CheckpointError as exc:  # the resume file
+        return fail_together(str(exc))
+    try:
+        trainer.fit()
     except Preempted:
         return PREEMPT_EXIT_CODE  # checkpoint written; rerun (or the requeued job) resumes
     except NonFiniteError as exc:  # every rank at the same step; no checkpoint from it

@@ -12,6 +12,7 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from hpctrain.errors import UserInputError
 from hpctrain.train.nonfinite import MODES as NONFINITE_MODES, NONFINITE_EXIT_CODE
 
 __all__ = [
@@ -51,7 +52,7 @@ STRATEGY_SECTIONS = {
 STRATEGY_TABLES = ("ddp", "zero", "fsdp", "pipeline", "domain", "tensor")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserInputError):
     """A config value is wrong; the message names the key, the value and the fix."""
 
 
@@ -302,6 +303,10 @@ class Config:
             raise ConfigError("train.loss_weight = 'tokens' weights a loss by its valid target "
                               "elements; the domain split weights each tile by its share of the "
                               "grid (dense fields): use loss_weight = 'samples'")
+        if t.run_name and not t.out_dir:
+            raise ConfigError(f"train.run_name = {t.run_name!r} names a directory under "
+                              f"train.out_dir, which is empty (nothing is written); give "
+                              f"--out-dir DIR or drop --run-name")
         c = self.checkpoint
         if (c.every or c.resume == "auto") and not c.dir:
             raise ConfigError(
@@ -530,6 +535,14 @@ def load_config(path: str | None = None, overrides: list[Mapping[str, Any]] = ()
                 data = tomllib.load(fh)
         except FileNotFoundError:
             raise ConfigError(f"config file {path!r} does not exist") from None
+        except IsADirectoryError:
+            raise ConfigError(f"config file {path!r} is a directory; pass a TOML file") from None
+        except OSError as exc:
+            raise ConfigError(f"config file {path!r} cannot be read ({exc.strerror or exc}); "
+                              f"pass a readable TOML file") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {path!r} is not UTF-8 text (byte {exc.start}), so "
+                              f"not a TOML file; pass a TOML config") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path!r} is not valid TOML: {exc}") from None
         _apply(cfg, data, path)

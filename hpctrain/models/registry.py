@@ -2,6 +2,7 @@
 
 import importlib
 import inspect
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -14,7 +15,7 @@ from .chain import split_model
 from .layers import LayerStack
 
 __all__ = ["BuiltModel", "BUILTIN", "build", "build_deferred", "build_layers", "describe",
-           "detect_unit"]
+           "detect_unit", "check_options"]
 
 _PIPELINES = {"gpt": gpt.pipeline, "mlp": mlp.pipeline}  # layer lists: no weights built
 _FACTORIES = {"gpt": gpt.factory, "mlp": mlp.factory, "unet": unet.factory}
@@ -116,6 +117,52 @@ def _check_result(spec, result):
     return model, dataset, loss_fn
 
 
+# Options whose range is not "a count >= 1" (an int) or "a number >= 0" (a float).
+_RANGES = {"dropout": (0.0, 1.0, "a probability in [0, 1)")}
+
+
+def check_options(spec: str, fn, options: dict) -> None:
+    """Check a built-in's options against its factory's keyword defaults: the names, the
+    types (an int where the default is one, a number for a float, true/false for a bool)
+    and the range (sizes and counts >= 1); ConfigError naming train.model_options.KEY."""
+    from hpctrain.config import ConfigError
+
+    params = {n: p.default for n, p in inspect.signature(fn).parameters.items() if n != "seed"}
+    unknown = sorted(set(options) - set(params))
+    if unknown:
+        raise ConfigError(f"train.model_options: model {spec!r} has no option(s) {unknown}; "
+                          f"accepted options: {', '.join(params)}")
+    for key, value in options.items():
+        default = params[key]
+        shown = f"train.model_options.{key} = {value!r}"
+        want, ok = _expected(default, value)
+        if not ok:
+            example = str(default).lower() if isinstance(default, bool) else default
+            raise ConfigError(f"{shown}: expected {want} for model {spec!r} (default "
+                              f"{default!r}); e.g. --set train.model_options.{key}={example}")
+        if isinstance(default, bool) or isinstance(default, str):
+            continue
+        low, high, what = _RANGES.get(key) or ((1, None, "an integer >= 1 (a size or a count)")
+                                               if isinstance(default, int) else
+                                               (0.0, None, "a finite number >= 0"))
+        if not (math.isfinite(value) and value >= low and (high is None or value < high)):
+            raise ConfigError(f"{shown}: expected {what} for model {spec!r} (default "
+                              f"{default!r})")
+
+
+def _expected(default, value) -> tuple[str, bool]:
+    """(what the default's type asks for, whether value is one)."""
+    if isinstance(default, bool):
+        return "true or false", isinstance(value, bool)
+    if isinstance(default, int):
+        return "an integer", isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(default, float):
+        return "a number", isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(default, str):
+        return "a string", isinstance(value, str)
+    return "", True
+
+
 def _call(spec, seed, options):
     """(model or LayerStack, dataset, loss_fn) from the spec's factory, checked."""
     if not isinstance(spec, str) or not spec:
@@ -130,11 +177,7 @@ def _call(spec, seed, options):
         call = fn
     elif spec in _FACTORIES:
         fn = _FACTORIES[spec]
-        accepted = [p for p in inspect.signature(fn).parameters if p != "seed"]
-        unknown = sorted(set(options) - set(accepted))
-        if unknown:
-            raise ValueError(f"model {spec!r} has no option(s) {unknown}; accepted options: "
-                             f"{', '.join(accepted)}")
+        check_options(spec, fn, options)
         call = lambda: fn(seed, **options)  # noqa: E731
     else:
         raise ValueError(f"unknown model {spec!r}: expected one of the built-ins "
@@ -165,11 +208,7 @@ def build_layers(spec, seed, **options):
     models/chain.py), checked against the model's forward on the first two samples.
     """
     if spec in _PIPELINES:
-        accepted = [p for p in inspect.signature(_PIPELINES[spec]).parameters if p != "seed"]
-        unknown = sorted(set(options) - set(accepted))
-        if unknown:
-            raise ValueError(f"model {spec!r} has no option(s) {unknown}; accepted options: "
-                             f"{', '.join(accepted)}")
+        check_options(spec, _PIPELINES[spec], options)
         stack, dataset, loss_fn = _PIPELINES[spec](seed, **options)
     else:
         model, dataset, loss_fn = _call(spec, seed, options)

@@ -105,28 +105,49 @@ def report_and_abort(exc: BaseException, code: int = 1) -> None:
     _abort(code)
 
 
+def _user_error(exc: BaseException) -> bool:
+    from hpctrain.errors import UserInputError
+
+    return isinstance(exc, UserInputError)
+
+
 def abort_on_exception(fn, *args, **kwargs):
     """Call fn; on an unhandled exception print it with the rank and abort the job.
 
     SystemExit passes through: a clean ``sys.exit(2)`` that every rank takes the same way
-    (bad config) must not turn into an abort.
+    (bad config) must not turn into an abort. An error in what the user gave
+    (hpctrain.errors.UserInputError) is one line through ``fail_together``: exit 1 when
+    every rank raised it, else this rank is named and the job aborted.
     """
     try:
         return fn(*args, **kwargs)
     except SystemExit:
         raise
     except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt must abort too
+        if _user_error(exc):
+            raise SystemExit(fail_together(_one_line(exc))) from None
         report_and_abort(exc)
 
 
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
 def install_excepthook() -> None:
-    """Abort the job on any exception that reaches the top of a user's script (Python API)."""
+    """End the job on any exception that reaches the top of a user's script (Python API):
+    a bug prints its traceback and aborts every rank; an error in what the user gave
+    (UserInputError: a config value, a model the plan cannot run) raised on every rank is
+    one ``hpctrain: error:`` line from rank 0, and the interpreter exits (code 1) as
+    usual; raised on some ranks only, it names the rank and aborts."""
     if getattr(sys.excepthook, "_hpctrain", False):
         return
 
     def hook(exc_type, exc, tb):
         if issubclass(exc_type, SystemExit):
             return sys.__excepthook__(exc_type, exc, tb)
+        if _user_error(exc):
+            fail_together(_one_line(exc))
+            return None
         report_and_abort(exc.with_traceback(tb))
 
     hook._hpctrain = True

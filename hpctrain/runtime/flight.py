@@ -23,7 +23,7 @@ Two implementations record the same things: the C extension ``_flightc`` (the wr
 and end in C, built with the package: the Python skeleton is most of an op's cost in place,
 and a step of small collectives needs the C path to stay under 1%) and this module's
 pure Python, used when the extension is not built (a source tree) or when
-``HPCTRAIN_FLIGHT_PURE=1``. ``IMPLEMENTATION`` says which is active ("c" or "python");
+``HPCTRAIN_FLIGHT_PURE`` is on (``1/true/yes/on``; ``0/false/no/off`` or unset: the C path). ``IMPLEMENTATION`` says which is active ("c" or "python");
 ``FlightRecorder`` and ``Entry`` are its classes, ``PyFlightRecorder``/``CFlightRecorder``
 (None when not built) both kinds.
 
@@ -48,17 +48,33 @@ from operator import itemgetter
 from time import time as _time
 
 from hpctrain.runtime.abort import _context
+from hpctrain.runtime.env import TRUE_WORDS, env_flag
 from hpctrain.runtime.timeline import TIMELINE
 
-__all__ = ["RECORDER", "FlightRecorder", "Entry", "IMPLEMENTATION", "group_key", "members_of",
-           "describe", "human_bytes"]
+__all__ = ["RECORDER", "FlightRecorder", "Entry", "IMPLEMENTATION", "check_env",
+           "pure_requested", "group_key", "members_of", "describe", "human_bytes"]
+
+PURE_ENV = "HPCTRAIN_FLIGHT_PURE"
+
+
+def pure_requested(env) -> bool:
+    """Whether HPCTRAIN_FLIGHT_PURE asks for the pure Python recorder: a true word. Read at
+    import, where a value that is no boolean cannot be an error: it keeps the C path, and
+    check_env (preflight, init_world) refuses it with the words a boolean takes."""
+    return (env.get(PURE_ENV) or "").strip().lower() in TRUE_WORDS
+
 
 _flightc = None
-if os.environ.get("HPCTRAIN_FLIGHT_PURE", "") in ("", "0"):
+if not pure_requested(os.environ):
     try:
         from hpctrain.runtime import _flightc
     except ImportError:  # not built (a source tree, or the build failed): pure Python
         pass
+
+
+def check_env(env=None) -> None:
+    """EnvError when HPCTRAIN_FLIGHT_PURE holds no clear boolean (runtime/env.py's words)."""
+    env_flag(PURE_ENV, env)
 
 
 def _field(i: int, settable: bool = False):

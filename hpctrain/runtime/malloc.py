@@ -16,6 +16,8 @@ import ctypes
 import os
 from typing import Mapping
 
+from hpctrain.errors import EnvError
+
 __all__ = ["ENV", "DEFAULT_KB", "mmap_threshold_kb", "release_free_heap", "tune_malloc"]
 
 ENV = "HPCTRAIN_MMAP_THRESHOLD_KB"
@@ -26,7 +28,8 @@ _libc = None  # glibc, once tune_malloc fixed a threshold (release_free_heap tri
 
 
 def mmap_threshold_kb(env: Mapping[str, str]) -> int:
-    """The threshold to set in KB (0: none) from the environment; ValueError when malformed."""
+    """The threshold to set in KB (0: none) from the environment; EnvError (a ValueError)
+    when malformed."""
     if "MALLOC_MMAP_THRESHOLD_" in env:
         return 0
     raw = (env.get(ENV) or "").strip()
@@ -35,10 +38,10 @@ def mmap_threshold_kb(env: Mapping[str, str]) -> int:
     try:
         kb = int(raw)
     except ValueError:
-        raise ValueError(f"{ENV}={raw!r} is not an integer; give KB (e.g. 256) or 0 to leave "
-                         "glibc's dynamic threshold") from None
+        kb = -1
     if kb < 0:
-        raise ValueError(f"{ENV}={raw!r} is negative; give KB (e.g. 256) or 0")
+        raise EnvError(f"{ENV}={env.get(ENV)!r}: expected an integer number of KB >= 0 (e.g. "
+                       f"256; 0 or unset: leave glibc's dynamic threshold)")
     return kb
 
 

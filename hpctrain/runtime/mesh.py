@@ -80,9 +80,14 @@ class MeshLayout:
         known = math.prod(v for v in degrees.values() if v != -1)
         if inferred:
             if world_size % known:
-                raise ValueError(f"mesh {shown}: the other degrees multiply to {known}, which does "
-                                 f"not divide {world_size} ranks; choose degrees whose product "
-                                 f"divides the world size")
+                # Name what the user gave, not the internal -1 of the inferred degree.
+                given = ",".join(f"{k}={'x'.join(map(str, self.dom)) if k == 'dom' else v}"
+                                 for k, v in degrees.items() if v not in (1, -1)) or "(none)"
+                raise ValueError(f"mesh {given} for world size {world_size}: the degrees "
+                                 f"given multiply to {known}, which does not divide "
+                                 f"{world_size} ranks, the number launched ({inferred[0]} is "
+                                 f"inferred from the rest); launch a multiple of {known} "
+                                 f"ranks or change the degrees")
             value = world_size // known
             return MeshLayout(**{**self._fields(), **({inferred[0]: value} if inferred[0] != "dom"
                                                       else {"dom": (value,)})})

@@ -151,10 +151,14 @@ def init_world(ranks_per_node: int = 0, device: str = "auto", env: Mapping[str, 
     if _WORLD is not None:
         return _WORLD
     env = os.environ if env is None else env
+    install_excepthook()  # API scripts too: an exception on one rank ends the job, never hangs
     launch = detect_launcher(env)
     from hpctrain.runtime.malloc import tune_malloc
 
     tune_malloc(env)  # HPCTRAIN_MMAP_THRESHOLD_KB, before the model grows the heap (malloc.py)
+    from hpctrain.runtime.flight import check_env
+
+    check_env(env)  # HPCTRAIN_FLIGHT_PURE, read at import: refused here when unclear
     per_node = ranks_per_node_override(env, ranks_per_node)
 
     if (value := mpi_yield_default(env)) is not None:
@@ -166,9 +170,8 @@ def init_world(ranks_per_node: int = 0, device: str = "auto", env: Mapping[str, 
 
     world_mpi = MPI.COMM_WORLD
     rank, size = world_mpi.Get_rank(), world_mpi.Get_size()
+    arm_agreement(world_mpi)  # from here a user error on every rank is one line (abort.py)
     check_launch_size(launch, size)
-    arm_agreement(world_mpi)
-    install_excepthook()  # API scripts too: an exception on one rank ends the job, never hangs
     if per_node:
         if size % per_node:
             raise UsageError(f"ranks_per_node={per_node} does not divide the world size {size}; "

@@ -128,14 +128,44 @@ class Trainer:
         self.should_stop = False
         self.engine = None
         self._built = built  # None: fit() gets the model (or builds the config's)
+        self._ready = None  # the engine setup() built, which the next fit() trains
+
+    def setup(self, model=None, train_dataloaders=None, val_dataloaders=None, loss_fn=None):
+        """Build the model's plan and strategy, what fit() does before its first step, and
+        keep it for the next fit() (called with no arguments). Collective.
+
+        What the plan cannot run (a config value, a layer a strategy cannot split, a model
+        that is not a chain for the pipeline) raises here, the same error on every rank: a
+        ``hpctrain.errors.UserInputError`` (a ValueError; TypeError too where the model is
+        of the wrong kind) whose message names the key or the layer and the fix."""
+        self._ready = self._engine(model, train_dataloaders, val_dataloaders, loss_fn)
+        return self
 
     def fit(self, model=None, train_dataloaders=None, val_dataloaders=None, loss_fn=None):
         """Train; return the run's summary (losses, throughput, ...). Collective.
 
-        With no model: the config's model and data set (the CLI's run). With a model: a
-        torch.nn.Module (or a models.layers.LayerStack), a DataLoader of (input, target)
-        batches (a map-style dataset or an IterableDataset: the module docstring), and
-        ``loss_fn(output, target) -> mean loss``."""
+        With no model: the config's model and data set (the CLI's run), or what setup()
+        built. With a model: a torch.nn.Module (or a models.layers.LayerStack), a DataLoader
+        of (input, target) batches (a map-style dataset or an IterableDataset: the module
+        docstring), and ``loss_fn(output, target) -> mean loss``. Errors in what was given
+        raise before the first step, as in setup()."""
+        engine, self._ready = self._ready, None
+        if engine is None or any(a is not None for a in (model, train_dataloaders,
+                                                         val_dataloaders, loss_fn)):
+            engine = self._engine(model, train_dataloaders, val_dataloaders, loss_fn)
+        self.engine = engine
+        validation = engine.validation
+        try:
+            summary = engine.fit()
+        finally:
+            if validation is not None:
+                validation[0].close()  # its persistent workers
+        for cb in self.callbacks:
+            cb.on_fit_end(self, summary)
+        return summary
+
+    def _engine(self, model, train_dataloaders, val_dataloaders, loss_fn):
+        """The engine (train/trainer.py) of fit()'s arguments, its plan and strategy built."""
         from hpctrain.train.trainer import Trainer as Engine
 
         if callable(val_dataloaders) and not hasattr(val_dataloaders, "__iter__"):
@@ -155,16 +185,14 @@ class Trainer:
             every = self.val_every or self.cfg.train.steps  # 0: once, after the last step
             validation = (self._val_data(val_dataloaders), None, built.loss_fn, every)
         try:
-            self.engine = Engine(self.cfg, self.world, built, callbacks=self.callbacks,
-                                 owner=self, validation=validation)
-            self.world = self.engine.world
-            summary = self.engine.fit()
-        finally:
+            engine = Engine(self.cfg, self.world, built, callbacks=self.callbacks,
+                            owner=self, validation=validation)
+        except BaseException:
             if validation is not None:
-                validation[0].close()  # its persistent workers
-        for cb in self.callbacks:
-            cb.on_fit_end(self, summary)
-        return summary
+                validation[0].close()
+            raise
+        self.world = engine.world
+        return engine
 
     def validate(self, val_dataloaders, loss_fn=None) -> dict:
         """The mean loss over the whole validation set with the model as trained by the last

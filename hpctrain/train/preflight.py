@@ -15,6 +15,7 @@ from hpctrain.config import Config, ConfigError
 from hpctrain.errors import UsageError
 from hpctrain.runtime.device import cpu_threads, cuda_count, select_device
 from hpctrain.runtime.env import env_flag
+from hpctrain.runtime.flight import check_env as check_flight_env
 from hpctrain.runtime.launcher import LaunchInfo
 from hpctrain.runtime.malloc import mmap_threshold_kb
 from hpctrain.runtime.world import ranks_per_node_override
@@ -63,6 +64,7 @@ def check_environment(env: Mapping[str, str], cfg: Config, launch: LaunchInfo) -
     mmap_threshold_kb(env)
     cpu_threads(env, 1, 1)
     env_flag("HPCTRAIN_CKPT_FORCE_SERIAL", env)
+    check_flight_env(env)
     select_device(launch.local_rank, env, cuda_count(), cfg.runtime.device)
 
 
@@ -85,6 +87,8 @@ def preflight(cfg: Config, env: Mapping[str, str], launch: LaunchInfo) -> None:
         check_writable_dir(c.dir, "checkpoint.dir (--checkpoint-dir)")
     if t.out_dir:
         check_writable_dir(t.out_dir, "train.out_dir (--out-dir)")
+    if t.trace_dir:
+        check_writable_dir(t.trace_dir, "train.trace_dir (--trace)")
     if t.summary:
         if os.path.isdir(t.summary):
             raise ConfigError(f"train.summary = {t.summary!r} is a directory; pass a file path")

@@ -10,7 +10,7 @@ import torch
 
 from hpctrain import checkpoint
 from hpctrain.config import Config
-from hpctrain.errors import UsageError
+from hpctrain.errors import UsageError, as_setup_error
 from hpctrain.runtime.abort import set_context
 from hpctrain.runtime.flight import RECORDER
 from hpctrain.runtime.timeline import TIMELINE, merge as merge_timeline
@@ -75,6 +75,11 @@ def run_dir(cfg: Config, plan_name: str, mpi_comm) -> str:
     return os.path.join(t.out_dir, name)
 
 
+def _sizes_text(sizes: list[int]) -> str:
+    """[11, 11, 10] -> '11, 11 and 10'."""
+    return ", ".join(map(str, sizes[:-1])) + f" and {sizes[-1]}"
+
+
 def _keeps_a_part(plan, cfg: Config) -> bool:
     """Plans where no rank keeps the whole model: the build fills only each rank's part
     (parallel/deferred.py). A pipeline builds only its stages' layers anyway; a domain
@@ -106,8 +111,40 @@ class Trainer:
             from hpctrain.runtime.world import init_world
 
             world = init_world(cfg.runtime.ranks_per_node, cfg.runtime.device)
+        self.world, self.plan, self.watchdog = world, None, None
+        try:
+            self._build(cfg, world, built)
+        except BaseException as exc:
+            if self.watchdog is not None:  # a caller that catches the error may train again
+                self.watchdog.stop()
+            # The model or an option the plan cannot run (a strategy's check, a factory's
+            # refusal): the same on every rank, so a user error (exit 2), not a crash.
+            err = as_setup_error(exc, f"plan {self.plan.name!r}" if self.plan else "")
+            if err is exc:
+                raise
+            raise err from exc
+        t = cfg.train
+        self.start_step, self.history = 0, []
+        # Training randomness (dropout masks) from the run's seed, the same on every rank:
+        # the ranks splitting a model draw whole masks alike and keep their slices
+        # (models/dropout.py). A resume restores the saved state instead.
+        torch.manual_seed(t.seed)
+        self._save_s: float | None = None  # wall time of this run's last save
+        self.guard = NonFiniteGuard(t.nonfinite, t.nonfinite_max_skips, world.mpi_comm,
+                                    world.is_main, self._latest_or_none,
+                                    getattr(self.par, "name_of", None))
+        c = cfg.checkpoint
+        checkpoint.clean_stale(c.dir, world.mpi_comm)  # what saves that died left behind
+        resume = checkpoint.resolve_resume(c.resume, c.dir, world.mpi_comm)
+        if resume:
+            self.start_step, self.history = checkpoint.load_checkpoint(
+                resume, self.par, world, self.sampler, self.precision.scaler, self.schedule)
+            if world.is_main:
+                print(f"hpctrain: resumed from {resume} at step {self.start_step}", flush=True)
+
+    def _build(self, cfg: Config, world, built: BuiltModel | None) -> None:
+        """The model, the plan and the strategy, from the config (collective)."""
         self.built = built if built is not None else build_model(cfg, world.size)
-        self.world = world
         # Record communication from the first collective on; the watchdog ends a stalled job
         # (runtime/flight.py, runtime/watchdog.py).
         RECORDER.enabled = cfg.runtime.flight_recorder
@@ -126,11 +163,7 @@ class Trainer:
         if self.plan.tensor:  # the split and the loss, checked alike on every rank
             from hpctrain.parallel.tensor import check as check_tensor
 
-            try:
-                check_tensor(self.built.model, options["tensor"], self.plan.tp,
-                             self.built.loss_fn)
-            except ValueError as exc:
-                raise UsageError(str(exc)) from None
+            check_tensor(self.built.model, options["tensor"], self.plan.tp, self.built.loss_fn)
         if self.plan.pipeline and cfg.pipeline.balance == "measured":
             n = t.global_batch_size // (t.grad_accum * cfg.pipeline.microbatches)
             x, y = collate(self.built.dataset, range(max(1, n)))
@@ -151,6 +184,13 @@ class Trainer:
                   f"being split: deferred init needs a model described layer by layer (the "
                   f"built-in gpt and mlp, or a factory returning a models.layers.LayerStack); "
                   f"a factory's nn.Module exists whole once it is returned", flush=True)
+        if t.global_batch_size % t.grad_accum and world.is_main:
+            sizes = [len(m) for m in torch.tensor_split(torch.arange(t.global_batch_size),
+                                                        t.grad_accum)]
+            print(f"hpctrain: note: train.global_batch_size = {t.global_batch_size} is not a "
+                  f"multiple of train.grad_accum = {t.grad_accum}: each step runs micro-batches "
+                  f"of {_sizes_text(sizes)} samples, each weighted by its share of the batch "
+                  f"(the same step as one batch of {t.global_batch_size})", flush=True)
         self.weighting = LossWeighting(t.loss_weight, t.ignore_index)
         self.loss_fn = self.weighting.wrap(self.built.loss_fn)
         if self.plan.pipeline and self.weighting.tokens:  # its pieces count by tokens too
@@ -165,23 +205,6 @@ class Trainer:
         # reads this rank's part of each micro-batch (data/loader.py); opened at the first
         # step trained (a resumed run's), closed at the end of fit()
         self.reader = train_reader(self.built.dataset, self.sampler, t.steps, self.par)
-        self.start_step, self.history = 0, []
-        # Training randomness (dropout masks) from the run's seed, the same on every rank:
-        # the ranks splitting a model draw whole masks alike and keep their slices
-        # (models/dropout.py). A resume restores the saved state instead.
-        torch.manual_seed(t.seed)
-        self._save_s: float | None = None  # wall time of this run's last save
-        self.guard = NonFiniteGuard(t.nonfinite, t.nonfinite_max_skips, world.mpi_comm,
-                                    world.is_main, self._latest_or_none,
-                                    getattr(self.par, "name_of", None))
-        c = cfg.checkpoint
-        checkpoint.clean_stale(c.dir, world.mpi_comm)  # what saves that died left behind
-        resume = checkpoint.resolve_resume(c.resume, c.dir, world.mpi_comm)
-        if resume:
-            self.start_step, self.history = checkpoint.load_checkpoint(
-                resume, self.par, world, self.sampler, self.precision.scaler, self.schedule)
-            if world.is_main:
-                print(f"hpctrain: resumed from {resume} at step {self.start_step}", flush=True)
 
     def _check_inputs(self) -> None:
         """Structured inputs (a dict passed as keywords, a tuple as positions) run where the

@@ -2,7 +2,8 @@
 
 ``python fit_api_worker.py OUT_JSON STRATEGY [MESH FLAVOUR]``: a user model (dict items, a
 custom collate_fn, uneven sizes) trained 12 steps; a callback records every step's metrics
-and one run stops itself early. Rank 0 writes what it saw.
+and one run stops itself early; a config error and a model the domain split cannot run
+raise the same exception on every rank. Rank 0 writes what it saw.
 """
 
 import json
@@ -84,12 +85,24 @@ def main():
                              progress="off", out_dir="", callbacks=[early], **mesh)
     cut = again.fit(Net(), loader, loss_fn=loss)
     stopped = trainer.world.mpi_comm.allgather(cut["steps"])
+    # what the plan cannot run: the same clear exception on every rank, before any step
+    refused = []
+    for options in (dict(strategy=strategy, steps=4, set={"train.lr_schedule": "warmup_cosine",
+                                                          "train.warmup_steps": 10}, **mesh),
+                    dict(strategy="domain", steps=2)):
+        try:
+            hpctrain.Trainer(progress="off", out_dir="", **options).fit(Net(), loader,
+                                                                         loss_fn=loss)
+            refused.append(None)
+        except ValueError as exc:
+            refused.append([type(exc).__name__, str(exc)])
+    refused = trainer.world.mpi_comm.allgather(refused)
     if trainer.world.rank == 0:
         with open(out, "w") as f:
             json.dump({"losses": summary["losses"], "steps_seen": rec.steps, "ended": rec.ended,
                        "val": rec.val, "val_summary": summary["val_losses"], "after": after,
                        "early_losses": cut["losses"], "stopped_at": stopped,
-                       "early_ended": early.ended}, f)
+                       "early_ended": early.ended, "refused": refused}, f)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """hpctrain.Trainer(...).fit(model, DataLoader, loss_fn): a user's model and DataLoader (dict
 items, a collate_fn) train the same under zero3 at 2 ranks and fsdp at 3 as in one process;
 callbacks see every step; validation every few steps gives the same loss at every world
-size; early stopping stops every rank after the same step."""
+size; early stopping stops every rank after the same step; what the plan cannot run raises
+the same clear exception on every rank."""
 
 import pytest
 import torch
@@ -34,6 +35,12 @@ def test_fit_with_a_dataloader_matches_one_process_and_stops_early_together(tmp_
                                    rtol=1e-5, atol=0, msg=name)
         torch.testing.assert_close(torch.tensor(got["early_losses"]),
                                    torch.tensor(want["early_losses"]), rtol=1e-5, atol=0)
+        # a config error and a model the plan cannot run: the same exception on every rank
+        assert got["refused"] == [want["refused"][0]] * ranks, (name, got["refused"])
+    (config_kind, config_text), (model_kind, model_text) = want["refused"][0]
+    assert config_kind == "ConfigError" and "train.warmup_steps = 10 is more than train.steps" \
+        in config_text
+    assert model_kind == "SetupError" and model_text.startswith("plan 'domain': ")
 
 
 def test_bad_input_is_one_clear_error():

@@ -23,13 +23,38 @@ _UNSUPPORTED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
 
 
 def to_domain(module: nn.Module, grid: DomainGrid, batch_comm: Communicator,
-              overlap: bool = False) -> nn.Module:
+              overlap: bool = False, name: str = "") -> nn.Module:
     """Return module with convs, pools, upsampling and norms made domain parallel.
 
     BatchNorm statistics are reduced over ``batch_comm`` (every rank holding part of the
     global batch: the domain group times dp); GroupNorm's over the domain group only.
-    Pointwise layers (activations, dropout, 1x1 convs) stay as they are.
+    Pointwise layers (activations, dropout, 1x1 convs) stay as they are. ``name``: the
+    module's qualified name in the model, for errors.
     """
+    try:
+        converted = _convert(module, grid, batch_comm, overlap)
+    except ValueError as exc:  # the layer's own check (a padding mode, ceil_mode): name it
+        if not name:
+            raise
+        raise ValueError(f"layer {name!r} ({type(module).__name__}): {exc}") from None
+    if converted is not None:
+        return converted
+    if isinstance(module, _UNSUPPORTED):
+        where = f"layer {name!r} ({type(module).__name__})" if name else type(module).__name__
+        raise ValueError(f"{where} is not supported by domain parallel (it mixes all spatial "
+                         "points or needs a transposed halo); build the model from "
+                         "Conv/Pool/nearest Upsample/BatchNorm/GroupNorm and pointwise layers, "
+                         "or use a data-parallel plan")
+    for child_name, child in module.named_children():
+        new = to_domain(child, grid, batch_comm, overlap,
+                        f"{name}.{child_name}" if name else child_name)
+        if new is not child:
+            setattr(module, child_name, new)
+    return module
+
+
+def _convert(module: nn.Module, grid: DomainGrid, batch_comm: Communicator, overlap: bool):
+    """The domain-parallel version of one spatial layer, or None if it is not one."""
     if isinstance(module, nn.modules.conv._ConvNd) and not module.transposed:
         return DomainConv(module, grid, overlap)
     if isinstance(module, _POOLS):
@@ -40,12 +65,4 @@ def to_domain(module: nn.Module, grid: DomainGrid, batch_comm: Communicator,
         return DomainGroupNorm(module, grid.comm)
     if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
         return convert_sync_batchnorm(module, batch_comm)
-    if isinstance(module, _UNSUPPORTED):
-        raise ValueError(f"{type(module).__name__} is not supported by domain parallel (it mixes "
-                         "all spatial points or needs a transposed halo); build the model from "
-                         "Conv/Pool/nearest Upsample/BatchNorm/GroupNorm and pointwise layers")
-    for name, child in module.named_children():
-        new = to_domain(child, grid, batch_comm, overlap)
-        if new is not child:
-            setattr(module, name, new)
-    return module
+    return None
