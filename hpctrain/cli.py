@@ -90,10 +90,11 @@ BOOL_FLAGS = {
     "fp16_compression": ("ddp", "fp16_compression", "fp16 gradient compression (ddp)"),
 }
 
-TRAIN_EPILOG = f"""exit codes: 0 trained; 1 an error after the ranks started (the message says
-which); 2 a bad config or launch, found before training; {NONFINITE_EXIT_CODE} a non-finite loss or
-gradient (train.nonfinite = stop, or skip past train.nonfinite_max_skips; no checkpoint
-written from that state); 75 pre-empted (checkpoint written, rerun to resume)."""
+TRAIN_EPILOG = f"""exit codes: 0 trained; 1 an error while training (the message says which);
+2 a bad flag, config, environment variable, launch or model for the plan, found before the
+first step; {NONFINITE_EXIT_CODE} a non-finite loss or gradient (train.nonfinite = stop, or skip past
+train.nonfinite_max_skips; no checkpoint written from that state); 75 pre-empted
+(checkpoint written, rerun to resume)."""
 
 
 def build_parser() -> argparse.ArgumentParser:

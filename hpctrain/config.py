@@ -99,7 +99,8 @@ class TrainSection:
     warmup_start_factor: float = _f(0.0, "warmup_cosine: the first step's lr as a fraction of "
                                     "lr", min=0.0, max=1.0)
     min_lr: float = _f(0.0, "warmup_cosine: the lr the cosine reaches at train.steps", min=0.0)
-    seed: int = _f(0, "seed for weights, data order and data generation", min=0)
+    seed: int = _f(0, "seed for weights, data order and data generation", min=0,
+                   max=2 ** 63 - 1)
     precision: str = _f("fp32", "fp32, bf16 autocast, or fp16 autocast with loss scaling",
                         choices=PRECISIONS)
     grad_accum: int = _f(1, "micro-batches per optimizer step", min=1)
@@ -299,6 +300,10 @@ class Config:
                 f"that split the batch; use --global-batch-size >= {t.grad_accum * batch_ranks}")
         if t.lr_schedule == "warmup_cosine":
             self._validate_warmup_cosine()
+        elif t.lr_schedule == "constant" and t.lr_schedule_options:
+            raise ConfigError("train.lr_schedule_options is set, but train.lr_schedule = "
+                              "'constant' takes no options; drop the table or name a "
+                              "schedule (--lr-schedule StepLR, ...)")
         if t.loss_weight == "tokens" and plan.domain:
             raise ConfigError("train.loss_weight = 'tokens' weights a loss by its valid target "
                               "elements; the domain split weights each tile by its share of the "

@@ -32,6 +32,10 @@ CASES = [  # (flags, environment, words the one line holds)
      "train.model_options.dropout = 1.5: expected a probability in [0, 1)"),
     (["--model", "unet", "--set", "train.model_options.periodic=1"], {},
      "train.model_options.periodic = 1: expected true or false"),
+    (["--set", "train.seed=99999999999999999999999"], {}, "train.seed = 99999999999999999999999: "
+                                                          "must be <= 9223372036854775807"),
+    (["--set", "train.lr_schedule_options.step_size=2"], {},
+     "train.lr_schedule = 'constant' takes no options"),
     (["--ranks-per-node", "0"], {}, "argument --ranks-per-node: '0': expected a positive "
                                     "integer"),
     (["--lr", "abc"], {}, "argument --lr: invalid float value: 'abc'"),

@@ -15,14 +15,15 @@ from tests.parallel.train_cases import run_steps
 pytestmark = pytest.mark.mpi
 
 # A global batch of 14 splits unevenly over 4 ranks (4,4,3,3) and, with grad_accum=2,
-# into micro-batches of 7 that split 2,2,2,1.
+# into micro-batches of 7 that split 2,2,2,1; with grad_accum=3 into micro-batches of 5, 5
+# and 4 (each weighted by its samples; the log says so).
 COMMON = ["--steps", "20", "--global-batch-size", "14", "--weight-decay", "0.01",
           "--progress", "off", "--out-dir", ""]
 
 # (model, optimizer, grad_accum, lr)
 CASES = [
     ("mlp", "sgd", 1, "0.1"), ("mlp", "adamw", 1, "0.003"),
-    ("mlp", "sgd", 2, "0.1"), ("mlp", "adamw", 2, "0.003"),
+    ("mlp", "sgd", 3, "0.1"), ("mlp", "adamw", 2, "0.003"),
     ("gpt", "sgd", 1, "0.3"), ("gpt", "adamw", 1, "0.003"),
     ("gpt", "sgd", 2, "0.3"), ("gpt", "adamw", 2, "0.003"),
     # uneven sizes, tied weight, buffer, frozen and never-used parameters
@@ -68,6 +69,10 @@ def test_ddp_matches_single(results, case, world):
     np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5, atol=0)
     np.testing.assert_allclose(got["param_norm"], ref["param_norm"], rtol=1e-5)
     np.testing.assert_allclose(got["buffer_norm"], ref["buffer_norm"], rtol=1e-5)
+    if case[2] == 3:
+        assert ("train.global_batch_size = 14 is not a multiple of train.grad_accum = 3: each "
+                "step runs micro-batches of 5, 5 and 4 samples") in results[
+                    f"ddp{world}-{_ident(case)}"]["stdout"]
     if case[1] == "adamw":  # it learned something (sgd over 20 noisy steps need not)
         assert np.mean(ref["losses"][-5:]) < np.mean(ref["losses"][:5])
 
