@@ -13,6 +13,7 @@ from hpctrain.train.nonfinite import NONFINITE_EXIT_CODE
 
 __all__ = ["main", "build_parser"]
 
+
 def _ranks_per_node(text: str) -> int:
     """--ranks-per-node: a positive count; leaving the flag out detects the nodes."""
     try:

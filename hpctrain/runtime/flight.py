@@ -23,9 +23,9 @@ Two implementations record the same things: the C extension ``_flightc`` (the wr
 and end in C, built with the package: the Python skeleton is most of an op's cost in place,
 and a step of small collectives needs the C path to stay under 1%) and this module's
 pure Python, used when the extension is not built (a source tree) or when
-``HPCTRAIN_FLIGHT_PURE`` is on (``1/true/yes/on``; ``0/false/no/off`` or unset: the C path). ``IMPLEMENTATION`` says which is active ("c" or "python");
-``FlightRecorder`` and ``Entry`` are its classes, ``PyFlightRecorder``/``CFlightRecorder``
-(None when not built) both kinds.
+``HPCTRAIN_FLIGHT_PURE`` is on (``1/true/yes/on``; ``0/false/no/off`` or unset: the C path).
+``IMPLEMENTATION`` says which is active ("c" or "python"); ``FlightRecorder`` and ``Entry``
+are its classes, ``PyFlightRecorder``/``CFlightRecorder`` (None when not built) both kinds.
 
 Ops that complete on a device stream after the call returns (NCCL: the call only queues the
 kernel) end through :meth:`FlightRecorder.end_on_device` with a marker recorded on the stream
