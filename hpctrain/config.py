@@ -12,7 +12,7 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from hpctrain.errors import UserInputError
+from hpctrain.errors import ConfigError
 from hpctrain.train.nonfinite import MODES as NONFINITE_MODES, NONFINITE_EXIT_CODE
 
 __all__ = [
@@ -50,10 +50,6 @@ STRATEGY_SECTIONS = {
     "tensor": ("tensor",),
 }
 STRATEGY_TABLES = ("ddp", "zero", "fsdp", "pipeline", "domain", "tensor")
-
-
-class ConfigError(UserInputError):
-    """A config value is wrong; the message names the key, the value and the fix."""
 
 
 def _f(default, help, *, choices=None, min=None, max=None, default_factory=None):

@@ -10,12 +10,17 @@ keep working.
 
 from __future__ import annotations
 
-__all__ = ["UserInputError", "UsageError", "EnvError", "SetupError", "SetupTypeError",
+__all__ = ["UserInputError", "ConfigError", "UsageError", "EnvError", "SetupError", "SetupTypeError",
            "as_setup_error"]
 
 
 class UserInputError(ValueError):
-    """Base of the errors in what the user gave (config.ConfigError is one too)."""
+    """Base of the errors in what the user gave."""
+
+
+class ConfigError(UserInputError):
+    """A config value is wrong; the message names the key, the value and the fix (also
+    importable from hpctrain.config)."""
 
 
 class UsageError(UserInputError):

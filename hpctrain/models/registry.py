@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from . import gpt, mlp, unet
+from ..errors import ConfigError
 from .chain import split_model
 from .layers import LayerStack
 
@@ -125,8 +126,6 @@ def check_options(spec: str, fn, options: dict) -> None:
     """Check a built-in's options against its factory's keyword defaults: the names, the
     types (an int where the default is one, a number for a float, true/false for a bool)
     and the range (sizes and counts >= 1); ConfigError naming train.model_options.KEY."""
-    from hpctrain.config import ConfigError
-
     params = {n: p.default for n, p in inspect.signature(fn).parameters.items() if n != "seed"}
     unknown = sorted(set(options) - set(params))
     if unknown:
