@@ -5,7 +5,9 @@ custom collate_fn, uneven sizes) trained 12 steps; a callback records every step
 and one run stops itself early. Rank 0 writes what it saw.
 """
 
+import csv
 import json
+import os
 import sys
 
 import torch
@@ -74,8 +76,12 @@ def main():
     # 37 validation samples in batches of 10: the last batch is short and some ranks'
     # parts of it are empty
     val = DataLoader(Pairs(37, seed=5), batch_size=10, collate_fn=collate)
+    # metrics.csv (rank 0 writes it): the validations and the global gradient norms per step
+    run_dir = f"{out}.run"
     trainer = hpctrain.Trainer(strategy=strategy, steps=12, lr=0.05, optimizer="sgd",
-                               progress="off", out_dir="", callbacks=[rec], val_every=4, **mesh)
+                               progress="off", out_dir=run_dir,
+                               set={"train.report": False, "train.tensorboard": False},
+                               callbacks=[rec], val_every=4, **mesh)
     summary = trainer.fit(Net(), loader, val, loss_fn=loss)
     after = trainer.validate(val)["val_loss"]
     # early stopping: every rank stops after the same step
@@ -85,11 +91,13 @@ def main():
     cut = again.fit(Net(), loader, loss_fn=loss)
     stopped = trainer.world.mpi_comm.allgather(cut["steps"])
     if trainer.world.rank == 0:
+        with open(os.path.join(run_dir, "metrics.csv"), newline="") as f:
+            rows = [[int(r["step"]), r["grad_norm"], r["val_loss"]] for r in csv.DictReader(f)]
         with open(out, "w") as f:
             json.dump({"losses": summary["losses"], "steps_seen": rec.steps, "ended": rec.ended,
                        "val": rec.val, "val_summary": summary["val_losses"], "after": after,
                        "early_losses": cut["losses"], "stopped_at": stopped,
-                       "early_ended": early.ended}, f)
+                       "early_ended": early.ended, "csv": rows}, f)
 
 
 if __name__ == "__main__":
