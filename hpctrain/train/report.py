@@ -40,7 +40,7 @@ class ReportError(ValueError):
 class Run:
     """One run as its out_dir records it: the per-step columns and the summary's facts.
 
-    ``lrs`` and ``grad_norms`` hold NaN at steps without a value; ``val_steps`` /
+    ``lrs`` and ``grad_norms`` hold None at steps without a value; ``val_steps`` /
     ``val_losses`` are the validations (metrics.csv's val_loss, else summary.json's);
     ``settings`` is the summary itself (strategy, global_batch_size, lr, ...), {} without one.
     """
@@ -54,8 +54,8 @@ class Run:
     world_size: int | None
     unit: str
     peak_rss_mb_per_rank: list[float]
-    lrs: list[float] = field(default_factory=list)
-    grad_norms: list[float] = field(default_factory=list)
+    lrs: list[float | None] = field(default_factory=list)
+    grad_norms: list[float | None] = field(default_factory=list)
     val_steps: list[int] = field(default_factory=list)
     val_losses: list[float] = field(default_factory=list)
     settings: dict = field(default_factory=dict)
@@ -132,9 +132,10 @@ def _read_metrics(out_dir: str) -> list[dict]:
     return rows
 
 
-def _number(text: str | None) -> float:
-    """A CSV cell as a float; an empty cell (or a column older files lack) is NaN."""
-    return float(text) if text not in (None, "") else math.nan
+def _number(text: str | None) -> float | None:
+    """A CSV cell as a float ("nan", "inf" too); an empty cell (or a column older files
+    lack) is None."""
+    return float(text) if text not in (None, "") else None
 
 
 def _losses(rows: list[dict], steps: list[int], full: list | None) -> list[float]:
@@ -213,7 +214,7 @@ def _lr(r: Run) -> str | None:
     """train.lr from the summary, else (an older summary) the peak of metrics.csv's lr."""
     if r.settings.get("lr") is not None:
         return f"{r.settings['lr']:g}"
-    finite = [v for v in r.lrs if math.isfinite(v)]
+    finite = [v for v in r.lrs if v is not None and math.isfinite(v)]
     return f"{max(finite):g}" if finite else None
 
 
@@ -311,8 +312,8 @@ def _plot_loss(ax, runs: list[Run]) -> None:
 def _plot_lr(ax, runs: list[Run]) -> None:
     drawn = False
     for i, r in enumerate(runs):
-        if any(math.isfinite(v) for v in r.lrs):
-            ax.plot(r.steps, r.lrs, color=f"C{i}", lw=2.0 - 0.5 * min(i, 2),
+        if any(v is not None for v in r.lrs):
+            ax.plot(r.steps, [math.nan if v is None else v for v in r.lrs], color=f"C{i}", lw=2.0 - 0.5 * min(i, 2),
                     ls="-" if i == 0 else "--", label=f"{r.label} · lr {_lr(r)}")
             drawn = True
     ax.set(title="learning rate (at each step)", xlabel="step", ylabel="lr")
@@ -326,23 +327,27 @@ def _plot_lr(ax, runs: list[Run]) -> None:
 
 
 def _plot_grad_norm(ax, runs: list[Run]) -> None:
-    """The global gradient norm before clipping (log axis); non-finite steps are counted in
-    the legend, not drawn; the clipping threshold dashed."""
+    """The global gradient norm before clipping (log axis); steps whose norm is NaN, inf or
+    0 (a log axis has no place for them) are counted in the legend, not drawn; the clipping
+    threshold dashed."""
     ax.set(title="gradient norm (global, before clipping)", xlabel="step", ylabel="L2 norm")
     drawn = False
     for i, r in enumerate(runs):
-        finite = [v if math.isfinite(v) and v > 0 else math.nan for v in r.grad_norms]
-        if all(math.isnan(v) for v in finite):
+        recorded = [v for v in r.grad_norms if v is not None]
+        if not recorded:
             continue
-        bad = sum(1 for v in r.grad_norms if math.isinf(v) or (not math.isnan(v) and v <= 0))
-        ax.plot(r.steps, finite, color=f"C{i}", lw=1.6 - 0.4 * min(i, 2),
+        drawable = [v if v is not None and math.isfinite(v) and v > 0 else math.nan
+                    for v in r.grad_norms]
+        bad = sum(1 for v in recorded if not (math.isfinite(v) and v > 0))
+        ax.plot(r.steps, drawable, color=f"C{i}", lw=1.6 - 0.4 * min(i, 2),
                 ls="-" if i == 0 else "--",
-                label=f"{r.label} · last {r.grad_norms[-1]:.3g}" +
-                      (f" ({bad} non-finite step{'s' if bad != 1 else ''} not drawn)"
+                label=f"{r.label} · last {recorded[-1]:.3g}" +
+                      (f" ({bad} step{'s' if bad != 1 else ''} NaN, inf or 0: not drawn)"
                        if bad else ""))
         clip = r.settings.get("max_grad_norm")
         if clip:
-            ax.axhline(clip, color=f"C{i}", ls=(0, (6, 3)), lw=1, label=f"{r.label} clips at {clip:g}")
+            ax.axhline(clip, color=f"C{i}", ls=(0, (6, 3)), lw=1,
+                       label=f"{r.label} clips at {clip:g}")
         drawn = True
     if not drawn:
         _empty(ax, NO_GRAD_NORM)

@@ -77,12 +77,18 @@ def test_three_runs_overlay_in_a_grid_with_the_loss_difference(tmp_path):
 def test_lr_grad_norm_and_validation_are_read_per_step(tmp_path):
     run = load_run(_write_run(tmp_path / "a", LOSSES[:6], val_every=3, norms=False))
     assert run.lrs == pytest.approx([0.01 / 3, 0.02 / 3, 0.01, 0.01, 0.01, 0.01])
-    assert all(math.isnan(v) for v in run.grad_norms)  # nothing computed it: empty cells
+    assert run.grad_norms == [None] * 6  # nothing computed it: empty cells
     assert run.val_steps == [3, 6]
     assert run.val_losses == pytest.approx([LOSSES[2] + 0.05, LOSSES[5] + 0.05])
     _png_size(draw_report([run], str(tmp_path / "r.png")))  # an empty grad-norm panel
     again = load_run(_write_run(tmp_path / "b", LOSSES[:4]))
     assert again.grad_norms == pytest.approx([5.0, 2.5, 5 / 3, 1.25]) and again.val_steps == []
+    # train.nonfinite = skip records the skipped step's norm as it was: NaN, not drawn
+    path = tmp_path / "b" / "metrics.csv"
+    path.write_text(path.read_text().replace(",2.5,", ",nan,"))
+    again = load_run(str(tmp_path / "b"))
+    assert math.isnan(again.grad_norms[1]) and again.grad_norms[0] == 5.0
+    _png_size(draw_report([again], str(tmp_path / "nan.png")))
 
 
 def test_validation_of_a_file_without_the_column_comes_from_the_summary(tmp_path):
