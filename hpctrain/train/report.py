@@ -313,8 +313,9 @@ def _plot_lr(ax, runs: list[Run]) -> None:
     drawn = False
     for i, r in enumerate(runs):
         if any(v is not None for v in r.lrs):
-            ax.plot(r.steps, [math.nan if v is None else v for v in r.lrs], color=f"C{i}", lw=2.0 - 0.5 * min(i, 2),
-                    ls="-" if i == 0 else "--", label=f"{r.label} · lr {_lr(r)}")
+            ax.plot(r.steps, [math.nan if v is None else v for v in r.lrs], color=f"C{i}",
+                    lw=2.0 - 0.5 * min(i, 2), ls="-" if i == 0 else "--",
+                    label=f"{r.label} · lr {_lr(r)}")
             drawn = True
     ax.set(title="learning rate (at each step)", xlabel="step", ylabel="lr")
     if not drawn:

@@ -2,8 +2,8 @@
 
 The cluster is one machine (tests/hpc/slurm_cluster.py), so the site-specific lines of the
 scripts are parameterised the way a user would edit them: nodes=2 -> 1, 8 cores per GPU
-rank -> 2 (the VM has 2 cores; the node declares 16). GPUs are fake gres devices: SLURM accounts them and sets
-CUDA_VISIBLE_DEVICES, torch finds no CUDA and the ranks train on CPU.
+rank -> 2 (the VM has 2 cores; the node declares 16). GPUs are fake gres devices: SLURM
+accounts them and sets CUDA_VISIBLE_DEVICES, torch finds no CUDA and the ranks train on CPU.
 """
 
 import csv
