@@ -259,7 +259,8 @@ def _int_list(text: str) -> tuple:
 
 def _add_report_parser(sub) -> None:
     r = sub.add_parser("report", help="draw a run's report.png again, or overlay several runs "
-                       "(loss, |loss - first run's|, throughput, peak memory per rank)")
+                       "(loss and validation, |loss - first run's|, lr, gradient norm, "
+                       "throughput, peak memory per rank); prints each setting the runs differ in")
     r.add_argument("out_dirs", nargs="+", metavar="OUT_DIR",
                    help="a run's --out-dir (metrics.csv, summary.json)")
     r.add_argument("-o", "--output", metavar="PATH", help="the PNG to write (default: "
@@ -270,19 +271,23 @@ def _add_report_parser(sub) -> None:
 
 def cmd_report(args) -> int:
     """Draw the runs' picture; a bad directory or a missing matplotlib is one line, exit 2."""
-    from hpctrain.train.report import REPORT_NAME, ReportError, draw_report, load_runs
+    from hpctrain.train.report import (REPORT_NAME, ReportError, differences, draw_report,
+                                       load_runs)
 
     labels = [x.strip() for x in args.labels.split(",")] if args.labels else None
     default = (os.path.join(args.out_dirs[0], REPORT_NAME) if len(args.out_dirs) == 1
                else "report-overlay.png")
     try:
-        path = draw_report(load_runs(args.out_dirs, labels), args.output or default)
+        runs = load_runs(args.out_dirs, labels)
+        path = draw_report(runs, args.output or default)
     except ReportError as exc:
         print(f"hpctrain report: error: {exc}", file=sys.stderr)
         return 2
     except ImportError as exc:
         print(f"hpctrain report: error: {exc}; pip install matplotlib", file=sys.stderr)
         return 2
+    for line in differences(runs):  # why the overlaid curves may differ (also in the title)
+        print(f"hpctrain report: {line}")
     print(f"hpctrain: report {path}")
     return 0
 

@@ -10,7 +10,10 @@
 # Variables (all optional):
 #   HPCTRAIN_VENV       virtualenv to create or update     (default: <repo>/.venv)
 #                       a site install points it at a prefix, e.g. /sw/hpctrain/0.1
-#   HPCTRAIN_EDITABLE   1: editable install of this clone   (default 1; 0 for site installs)
+#   HPCTRAIN_EDITABLE   1: editable install of this clone, with the test extras (pytest,
+#                       transformers) for `make test`   (default 1)
+#                       0: a site install: no test extras, and the build-only tools (Cython,
+#                       pkgconfig, a venv cmake) removed once h5py and Horovod are built
 #   HPCTRAIN_CACHE      built-wheel cache                   (default: ~/.cache/hpctrain)
 #   PYTHON              interpreter for a new virtualenv    (default: python3)
 #   TORCH_SPEC          torch requirement                   (default: torch==2.13.0)
@@ -37,6 +40,7 @@ OS_PACKAGES=(openmpi-bin libopenmpi-dev libhdf5-openmpi-dev hdf5-tools g++ make 
 # (Lmod also reads the Tcl modulefile; Environment Modules conflicts with it in Debian).
 OS_PACKAGES+=(slurm-wlm munge lmod tcl)
 JOBS=$(nproc 2>/dev/null || echo 2)
+BUILD_TOOLS=("Cython>=3" pkgconfig)  # h5py's build; removed again from a site install
 
 log() { printf '[install] %s\n' "$*" >&2; }
 die() { printf '[install] ERROR: %s\n' "$*" >&2; exit 1; }
@@ -78,18 +82,34 @@ make_venv() {
     [ -x "$VENV/bin/python" ] || { log "creating virtualenv $VENV"; "$PYTHON" -m venv "$VENV"; }
     PY=$VENV/bin/python
     PIP=("$PY" -m pip --disable-pip-version-check -q)
-    log "installing $TORCH_SPEC, numpy, mpi4py, build tools and the test extras (transformers)"
+    # The test extras only for a development install: a site prefix is on users' PATH.
     # transformers: the tests pipeline Hugging Face GPT-2 and Llama; installed next to the pinned
     # torch, which it does not replace (torch is an optional dependency of transformers).
-    # tensorboard: torch's SummaryWriter needs it for the run's event files.
-    "${PIP[@]}" install "$TORCH_SPEC" numpy mpi4py tqdm pytest transformers tensorboard \
-        "Cython>=3" pkgconfig setuptools wheel packaging psutil pyyaml cloudpickle matplotlib \
+    local extras=()
+    [ "$EDITABLE" = 1 ] && extras=(pytest transformers)
+    log "installing $TORCH_SPEC, numpy, mpi4py, build tools${extras:+ and the test extras (${extras[*]})}"
+    # tensorboard: torch's SummaryWriter needs it for the run's event files; psutil, pyyaml,
+    # cloudpickle, packaging: Horovod's; Cython, pkgconfig: h5py's build.
+    "${PIP[@]}" install "$TORCH_SPEC" numpy mpi4py tqdm tensorboard "${extras[@]}" \
+        "${BUILD_TOOLS[@]}" setuptools wheel packaging psutil pyyaml cloudpickle matplotlib \
         2> >(grep -v "is ignored" >&2)
     # Horovod needs cmake 3.13..3.x: cmake 4 refuses its bundled gloo.
     local cv
     cv=$(cmake --version 2>/dev/null | head -1 | grep -oE '[0-9]+\.[0-9]+' | head -1 || true)
     case "$cv" in 3.*) ;; *) log "cmake '${cv:-none}' unusable for Horovod; installing cmake<4 into the venv"
         "${PIP[@]}" install "cmake>=3.13,<4" ;; esac
+}
+
+# A site install keeps only what runs: the tools that built h5py and Horovod go.
+remove_build_tools() {
+    [ "$EDITABLE" = 1 ] && return
+    local present=()
+    for p in Cython pkgconfig cmake; do
+        "${PIP[@]}" show "$p" >/dev/null 2>&1 && present+=("$p")
+    done
+    [ ${#present[@]} -eq 0 ] && return
+    log "site install: removing the build-only tools ${present[*]}"
+    "${PIP[@]}" uninstall -y "${present[@]}"
 }
 
 # The cache key: anything that changes the ABI of the built wheels.
@@ -170,16 +190,24 @@ install_hpctrain() {
     fi
 }
 
-install_os_packages
-locate_toolchain
-make_venv
-WHEELS=$(cache_dir)
-mkdir -p "$WHEELS"
-install_h5py
-install_horovod
-install_hpctrain
-if [ -n "${HPCTRAIN_MODULEFILES:-}" ]; then
-    bash "$REPO/modules/write-modulefile.sh" "$VENV" "$HPCTRAIN_MODULEFILES" \
-        "${HPCTRAIN_MPI_MODULE-openmpi}" "${HPCTRAIN_HDF5_MODULE-hdf5}" "${HPCTRAIN_CUDA_MODULE-}" >&2
+main() {
+    install_os_packages
+    locate_toolchain
+    make_venv
+    WHEELS=$(cache_dir)
+    mkdir -p "$WHEELS"
+    install_h5py
+    install_horovod
+    install_hpctrain
+    remove_build_tools
+    if [ -n "${HPCTRAIN_MODULEFILES:-}" ]; then
+        bash "$REPO/modules/write-modulefile.sh" "$VENV" "$HPCTRAIN_MODULEFILES" \
+            "${HPCTRAIN_MPI_MODULE-}" "${HPCTRAIN_HDF5_MODULE-}" "${HPCTRAIN_CUDA_MODULE-}" >&2
+    fi
+    log "done: $VENV (activate with: source $VENV/bin/activate)"
+}
+
+# Sourced (tests/hpc/test_modules.py), it only defines the steps.
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+    main
 fi
-log "done: $VENV (activate with: source $VENV/bin/activate)"

@@ -4,17 +4,17 @@
 # PREFIX is the install (HPCTRAIN_VENV of modules/install.sh); DIR is a directory on the
 # site's MODULEPATH: this writes DIR/hpctrain/<version>.lua (Lmod) and, when
 # HPCTRAIN_TCL_MODULEFILES=TCL_DIR is set, TCL_DIR/hpctrain/<version> (Environment Modules).
-# Module names default to openmpi and hdf5 (pass "" to depend on nothing), no CUDA.
+# The modulefile depends on the modules named here and on nothing else (none named: MPI and
+# HDF5 came from the OS packages, as with `make setup`).
 set -euo pipefail
 [ $# -ge 2 ] || { echo "usage: $0 PREFIX DIR [MPI_MODULE] [HDF5_MODULE] [CUDA_MODULE]" >&2; exit 2; }
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 PREFIX=$(cd "$1" && pwd) || { echo "$0: install prefix $1 does not exist" >&2; exit 2; }
 DIR=$2
-MPI=${3-openmpi}
-HDF5=${4-hdf5}
+MPI=${3-}
+HDF5=${4-}
 CUDA=${5-}
 [ -x "$PREFIX/bin/python" ] || { echo "$0: $PREFIX/bin/python missing: install first (modules/install.sh)" >&2; exit 2; }
-PYVER=$("$PREFIX/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 for v in "$PREFIX" "$MPI" "$HDF5" "$CUDA"; do
     case "$v" in *[\"\\\;\$\`]*) echo "$0: refusing value with quotes or shell characters: $v" >&2; exit 2;; esac
 done
@@ -24,8 +24,7 @@ fill() {  # fill the SITE values of one modulefile: $1 template, $2 output, $3 a
     sed -e "s|^\(${3}site_prefix *\)[= ]*\"\"|\1${4}${q}${PREFIX}${q}|" \
         -e "s|^\(${3}mpi_module *\)[= ]*\"[^\"]*\"|\1${4}${q}${MPI}${q}|" \
         -e "s|^\(${3}hdf5_module *\)[= ]*\"[^\"]*\"|\1${4}${q}${HDF5}${q}|" \
-        -e "s|^\(${3}cuda_module *\)[= ]*\"[^\"]*\"|\1${4}${q}${CUDA}${q}|" \
-        -e "s|^\(${3}pyver *\)[= ]*\"\"|\1${4}${q}${PYVER}${q}|" "$1" > "$2"
+        -e "s|^\(${3}cuda_module *\)[= ]*\"[^\"]*\"|\1${4}${q}${CUDA}${q}|" "$1" > "$2"
     grep -q "${PREFIX}" "$2" || { echo "$0: could not fill $2" >&2; exit 1; }
 }
 

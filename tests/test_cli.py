@@ -17,13 +17,14 @@ def test_default_single_run_learns(tmp_path):
                        "--out-dir", str(tmp_path / "out")])
     s = json.loads(summary.read_text())
     for key in ("strategy", "world_size", "steps", "losses", "final_loss", "param_norm",
-                "tokens_or_samples_per_s", "peak_rss_mb"):
+                "tokens_or_samples_per_s", "peak_rss_mb", "lr", "lr_schedule", "seed"):
         assert key in s
     assert s["strategy"] == "single" and s["world_size"] == 1 and s["steps"] == 60
     assert s["final_loss"] < 0.6 * s["losses"][0]
     assert s["unit"] == "tokens" and s["tokens_or_samples_per_s"] > 0
     rows = (tmp_path / "out" / "metrics.csv").read_text().splitlines()
-    assert rows[0] == "step,loss,lr,units_per_s,elapsed_s,grad_norm,peak_rss_mb" and len(rows) == 61
+    assert rows[0] == "step,loss,lr,units_per_s,elapsed_s,grad_norm,peak_rss_mb,val_loss" \
+        and len(rows) == 61
     assert "launcher=single" in proc.stdout and "done: 60 steps" in proc.stdout
 
 

@@ -22,10 +22,15 @@ class MetricsCSV:
     row per step, none twice.
     """
 
-    # grad_norm: the global norm before clipping, when clipping or the non-finite guard
-    # computed it (empty with train.nonfinite = ignore and no clipping); peak_rss_mb: rank 0's.
-    FIELDS = ("step", "loss", "lr", "units_per_s", "elapsed_s", "grad_norm", "peak_rss_mb")
-    FIRST_FIELDS = FIELDS[:5]  # the layout before grad_norm and peak_rss_mb (still read)
+    # lr: the step's learning rate (before the schedule steps); grad_norm: the global norm
+    # over all ranks and shards before clipping, when clipping or the non-finite guard
+    # computed it (empty with train.nonfinite = ignore and no clipping); peak_rss_mb: rank
+    # 0's; val_loss: the validation loss at the steps it was measured (Trainer val_every),
+    # empty elsewhere.
+    FIELDS = ("step", "loss", "lr", "units_per_s", "elapsed_s", "grad_norm", "peak_rss_mb",
+              "val_loss")
+    # Every layout this class wrote, newest first: older files are still read and resumed.
+    LAYOUTS = (FIELDS, FIELDS[:7], FIELDS[:5])
 
     def __init__(self, out_dir: str, enabled: bool, resume_step: int = 0):
         self._fh = None
@@ -46,7 +51,7 @@ class MetricsCSV:
                 rows = list(csv.reader(fh))
         except FileNotFoundError:
             return []
-        if not rows or tuple(rows[0]) not in (self.FIELDS, self.FIRST_FIELDS):
+        if not rows or tuple(rows[0]) not in self.LAYOUTS:
             return []
         pad = [""] * (len(self.FIELDS) - len(rows[0]))
         return [r + pad for r in rows[1:] if r and r[0].isdigit() and int(r[0]) <= step]

@@ -1,10 +1,13 @@
-"""Report: one PNG of a run (loss, throughput, peak memory per rank), or several runs overlaid.
+"""Report: one PNG of a run (loss with validation, lr, gradient norm, throughput, peak memory
+per rank), or several runs overlaid.
 
 It reads only the files a run leaves in its out_dir (metrics.csv and summary.json), so
 ``hpctrain report DIR [DIR ...]`` redraws a finished run later, or lays the runs of several
 strategies over each other with the difference of each loss curve from the first: the picture
-that shows at a glance whether they train alike. matplotlib is imported only when drawing, so
-``import hpctrain`` stays fast and training works without it.
+that shows at a glance whether they train alike. Where overlaid runs were set up differently
+(steps, strategy and ranks, model, global batch, lr...), ``differences`` names each setting
+that differs, so a gap between curves is not mistaken for a bug. matplotlib is imported only
+when drawing, so ``import hpctrain`` stays fast and training works without it.
 """
 
 from __future__ import annotations
@@ -14,17 +17,19 @@ import json
 import math
 import os
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hpctrain.train.metrics import SUMMARY_NAME, MetricsCSV
 
 __all__ = ["REPORT_NAME", "ReportError", "Run", "load_run", "load_runs", "draw_report",
-           "title_of", "report_after_training"]
+           "title_of", "differences", "report_after_training"]
 
 REPORT_NAME = "report.png"
 EQUIVALENCE_RTOL = 1e-5   # DESIGN.md: a strategy reproduces single-process losses to this
 ZERO_DIFF_FLOOR = 1e-16   # where every |diff| is exactly 0: a log axis cannot show 0
 MAX_BAR_LABELS = 16       # value labels on the memory bars up to this many bars
+NO_GRAD_NORM = ("no gradient norm recorded\n(train.nonfinite = ignore and no "
+                "--max-grad-norm: nothing computed it)")
 
 
 class ReportError(ValueError):
@@ -33,7 +38,12 @@ class ReportError(ValueError):
 
 @dataclass
 class Run:
-    """One run as its out_dir records it: the per-step columns and the summary's facts."""
+    """One run as its out_dir records it: the per-step columns and the summary's facts.
+
+    ``lrs`` and ``grad_norms`` hold None at steps without a value; ``val_steps`` /
+    ``val_losses`` are the validations (metrics.csv's val_loss, else summary.json's);
+    ``settings`` is the summary itself (strategy, global_batch_size, lr, ...), {} without one.
+    """
 
     out_dir: str
     label: str
@@ -44,6 +54,11 @@ class Run:
     world_size: int | None
     unit: str
     peak_rss_mb_per_rank: list[float]
+    lrs: list[float | None] = field(default_factory=list)
+    grad_norms: list[float | None] = field(default_factory=list)
+    val_steps: list[int] = field(default_factory=list)
+    val_losses: list[float] = field(default_factory=list)
+    settings: dict = field(default_factory=dict)
 
     @property
     def final_loss(self) -> float:
@@ -68,6 +83,9 @@ def load_run(out_dir: str, label: str | None = None) -> Run:
         steps = [int(r["step"]) for r in rows]
         losses = _losses(rows, steps, summary.get("losses"))
         units_per_s = [float(r["units_per_s"]) for r in rows]
+        lrs = [_number(r.get("lr")) for r in rows]
+        grad_norms = [_number(r.get("grad_norm")) for r in rows]
+        val_steps, val_losses = _validations(rows, steps, summary.get("val_losses"))
     except (TypeError, ValueError) as exc:
         raise ReportError(f"{os.path.join(out_dir, 'metrics.csv')}: a row that is not numbers "
                           f"({exc}); was the file edited?") from None
@@ -81,6 +99,11 @@ def load_run(out_dir: str, label: str | None = None) -> Run:
         world_size=summary.get("world_size"),
         unit=summary.get("unit") or "units",
         peak_rss_mb_per_rank=list(summary.get("peak_rss_mb_per_rank") or []),
+        lrs=lrs,
+        grad_norms=grad_norms,
+        val_steps=val_steps,
+        val_losses=val_losses,
+        settings=summary,
     )
 
 
@@ -100,13 +123,19 @@ def _read_metrics(out_dir: str) -> list[dict]:
                           f"metrics.csv there unless --out-dir \"\")")
     with open(path, newline="") as fh:
         reader = csv.DictReader(fh)
-        if tuple(reader.fieldnames or ()) not in (MetricsCSV.FIELDS, MetricsCSV.FIRST_FIELDS):
+        if tuple(reader.fieldnames or ()) not in MetricsCSV.LAYOUTS:
             raise ReportError(f"{path}: columns {reader.fieldnames}, expected "
                               f"{','.join(MetricsCSV.FIELDS)}; not a metrics file of hpctrain")
         rows = list(reader)
     if not rows:
         raise ReportError(f"{path}: no steps recorded yet; nothing to draw")
     return rows
+
+
+def _number(text: str | None) -> float | None:
+    """A CSV cell as a float ("nan", "inf" too); an empty cell (or a column older files
+    lack) is None."""
+    return float(text) if text not in (None, "") else None
 
 
 def _losses(rows: list[dict], steps: list[int], full: list | None) -> list[float]:
@@ -116,6 +145,15 @@ def _losses(rows: list[dict], steps: list[int], full: list | None) -> list[float
     full = full or []
     return [float(full[s - 1]) if 0 < s <= len(full) and full[s - 1] is not None
             else float(r["loss"]) for s, r in zip(steps, rows)]
+
+
+def _validations(rows: list[dict], steps: list[int], summary_val: list | None):
+    """(steps, losses) of the validations: metrics.csv's val_loss cells, else (a file
+    written before that column) the summary's [step, loss] pairs."""
+    pairs = [(s, float(r["val_loss"])) for s, r in zip(steps, rows) if r.get("val_loss")]
+    if not pairs and summary_val:
+        pairs = [(int(s), float(v)) for s, v in summary_val]
+    return [s for s, _ in pairs], [v for _, v in pairs]
 
 
 def _read_summary(out_dir: str) -> dict:
@@ -150,18 +188,78 @@ def _span(steps: list[int]) -> str:
 
 
 def title_of(runs: list[Run]) -> str:
-    """One line: what ran (plan name, model, ranks) and where the loss ended."""
+    """One line: what ran (plan name, model, ranks) and where the loss ended (for overlaid
+    runs of different lengths: at the last step each shares with the first run)."""
     if len(runs) == 1:
         r = runs[0]
         return f"{r.label} · {r.model} · {r.ranks_text} · final loss {r.final_loss:.6g}"
     models = " / ".join(dict.fromkeys(r.model for r in runs))
     who = " vs ".join(f"{r.label} ({r.ranks_text})" for r in runs)
-    spread = max(abs(r.final_loss - runs[0].final_loss) for r in runs[1:])
-    return f"{models}: {who} · max |Δ final loss| {spread:.2g}"
+    ref = dict(zip(runs[0].steps, runs[0].losses))
+    spread = max(abs(dict(zip(r.steps, r.losses))[both[-1]] - ref[both[-1]])
+                 for r, both in zip(runs[1:], steps_shared_with_first(runs)))
+    same_end = all(r.steps[-1] == runs[0].steps[-1] for r in runs)
+    what = "final loss" if same_end else "loss at the last shared step"
+    return f"{models}: {who} · max |Δ {what}| {spread:.2g}"
+
+
+def _strategy(r: Run) -> str | None:
+    name = r.settings.get("strategy")
+    if name is None and r.world_size is None:
+        return None
+    return f"{name or '?'} on {r.ranks_text}"
+
+
+def _lr(r: Run) -> str | None:
+    """train.lr from the summary, else (an older summary) the peak of metrics.csv's lr."""
+    if r.settings.get("lr") is not None:
+        return f"{r.settings['lr']:g}"
+    finite = [v for v in r.lrs if v is not None and math.isfinite(v)]
+    return f"{max(finite):g}" if finite else None
+
+
+def _clip(r: Run) -> str | None:
+    clip = r.settings.get("max_grad_norm")
+    return None if clip is None else (f"{clip:g}" if clip else "off")
+
+
+# What `differences` compares, in order: (name, the run's value as text, or None if unknown).
+SETTINGS = (
+    ("steps", lambda r: _span(r.steps)),
+    ("strategy", _strategy),
+    ("model", lambda r: None if r.model == "?" else r.model),
+    ("global batch", lambda r: r.settings.get("global_batch_size")),
+    ("lr", _lr),
+    ("lr schedule", lambda r: r.settings.get("lr_schedule")),
+    ("max grad norm", _clip),
+    ("precision", lambda r: r.settings.get("precision")),
+    ("seed", lambda r: r.settings.get("seed")),
+)
+
+
+def differences(runs: list[Run]) -> list[str]:
+    """One line per setting whose known values differ between the runs, naming each run's
+    value ("?" where its files do not record it): why overlaid curves may differ."""
+    lines = []
+    for name, value_of in SETTINGS:
+        values = [value_of(r) for r in runs]
+        if len({str(v) for v in values if v is not None}) > 1:
+            each = ", ".join(_named(r.label, "?" if v is None else str(v))
+                             for r, v in zip(runs, values))
+            note = ("; |Δ loss| is drawn at the steps both runs have"
+                    if name == "steps" else "")
+            lines.append(f"runs differ in {name}: {each}{note}")
+    return lines
+
+
+def _named(label: str, value: str) -> str:
+    """"label value", or the value alone where it starts with the label ("zero3 on 2 ranks")."""
+    return value if value.split(" ")[0] == label else f"{label} {value}"
 
 
 def draw_report(runs: list[Run], path: str) -> str:
-    """Draw one run (loss, throughput, memory) or an overlay (plus |loss - first run's|)
+    """Draw one run (loss with validation, lr, gradient norm, throughput, memory, settings)
+    or an overlay (plus |loss - first run's|, and the settings that differ under the title)
     to the PNG ``path``; return the path. Raises ReportError or ImportError (no matplotlib)."""
     shared = steps_shared_with_first(runs)  # checked before anything is drawn
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -169,34 +267,144 @@ def draw_report(runs: list[Run], path: str) -> str:
 
     # The object API with its own Agg canvas: no pyplot, so no global backend switch in the
     # user's process and nothing kept alive after saving.
+    title = title_of(runs)
     if len(runs) == 1:
-        fig = Figure(figsize=(15, 4.4), layout="constrained")
-        ax_loss, ax_speed, ax_mem = fig.subplots(1, 3)
+        fig = Figure(figsize=(16, 8.6), layout="constrained")
+        (ax_loss, ax_lr, ax_norm), (ax_speed, ax_mem, ax_facts) = fig.subplots(2, 3)
+        _write_settings(ax_facts, runs[0])
     else:
-        fig = Figure(figsize=(13, 8.5), layout="constrained")
-        (ax_loss, ax_diff), (ax_speed, ax_mem) = fig.subplots(2, 2)
+        fig = Figure(figsize=(14, 12.5), layout="constrained")
+        (ax_loss, ax_diff), (ax_lr, ax_norm), (ax_speed, ax_mem) = fig.subplots(3, 2)
         _plot_loss_difference(ax_diff, runs, shared)
+        title = "\n".join([title] + differences(runs))
     _plot_loss(ax_loss, runs)
+    _plot_lr(ax_lr, runs)
+    _plot_grad_norm(ax_norm, runs)
     _plot_throughput(ax_speed, runs)
     _plot_peak_memory(ax_mem, runs)
-    for ax in fig.axes:
-        if ax is not ax_mem:
-            ax.xaxis.get_major_locator().set_params(integer=True)  # steps are whole numbers
-    fig.suptitle(title_of(runs), fontsize=12)
+    for ax in (ax_loss, ax_lr, ax_norm, ax_speed) + (() if len(runs) == 1 else (ax_diff,)):
+        ax.xaxis.get_major_locator().set_params(integer=True)  # steps are whole numbers
+    fig.suptitle(title, fontsize=12)
     FigureCanvasAgg(fig)
     _save_png(fig, path)
     return path
 
 
 def _plot_loss(ax, runs: list[Run]) -> None:
+    """Training loss per step; the validations as open squares joined by a dotted line."""
     for i, r in enumerate(runs):
         # Later runs dashed and thinner, so equal curves still show every run.
-        ax.plot(r.steps, r.losses, lw=2.2 - 0.5 * min(i, 2), ls="-" if i == 0 else "--",
-                marker="o" if len(r.steps) <= 30 else None, ms=3,
+        ax.plot(r.steps, r.losses, color=f"C{i}", lw=2.2 - 0.5 * min(i, 2),
+                ls="-" if i == 0 else "--", marker="o" if len(r.steps) <= 30 else None, ms=3,
                 label=f"{r.label} · final {r.final_loss:.6g}")
-    ax.set(title="loss per step", xlabel="step", ylabel="loss")
+        if r.val_steps:
+            ax.plot(r.val_steps, r.val_losses, color=f"C{i}", ls=":", lw=1.5, marker="s",
+                    ms=6, mfc="white", mew=1.5,
+                    label=f"{r.label} validation · last {r.val_losses[-1]:.6g} "
+                          f"(step {r.val_steps[-1]})")
+    validated = any(r.val_steps for r in runs)
+    ax.set(title="loss per step" + ("  (□: validation)" if validated else ""), xlabel="step",
+           ylabel="loss")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+
+
+def _plot_lr(ax, runs: list[Run]) -> None:
+    drawn = False
+    for i, r in enumerate(runs):
+        if any(v is not None for v in r.lrs):
+            ax.plot(r.steps, [math.nan if v is None else v for v in r.lrs], color=f"C{i}",
+                    lw=2.0 - 0.5 * min(i, 2), ls="-" if i == 0 else "--",
+                    label=f"{r.label} · lr {_lr(r)}")
+            drawn = True
+    ax.set(title="learning rate (at each step)", xlabel="step", ylabel="lr")
+    if not drawn:
+        _empty(ax, "no lr in metrics.csv")
+        return
+    ax.set_ylim(bottom=0)
+    ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _plot_grad_norm(ax, runs: list[Run]) -> None:
+    """The global gradient norm before clipping (log axis); steps whose norm is NaN, inf or
+    0 (a log axis has no place for them) are counted in the legend, not drawn; the clipping
+    threshold dashed."""
+    ax.set(title="gradient norm (global, before clipping)", xlabel="step", ylabel="L2 norm")
+    drawn = False
+    for i, r in enumerate(runs):
+        recorded = [v for v in r.grad_norms if v is not None]
+        if not recorded:
+            continue
+        drawable = [v if v is not None and math.isfinite(v) and v > 0 else math.nan
+                    for v in r.grad_norms]
+        bad = sum(1 for v in recorded if not (math.isfinite(v) and v > 0))
+        ax.plot(r.steps, drawable, color=f"C{i}", lw=1.6 - 0.4 * min(i, 2),
+                ls="-" if i == 0 else "--",
+                label=f"{r.label} · last {recorded[-1]:.3g}" +
+                      (f" ({bad} step{'s' if bad != 1 else ''} NaN, inf or 0: not drawn)"
+                       if bad else ""))
+        clip = r.settings.get("max_grad_norm")
+        if clip:
+            ax.axhline(clip, color=f"C{i}", ls=(0, (6, 3)), lw=1,
+                       label=f"{r.label} clips at {clip:g}")
+        drawn = True
+    if not drawn:
+        _empty(ax, NO_GRAD_NORM)
+        return
+    ax.set_yscale("log")
+    _plain_log_labels(ax)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+
+
+def _plain_log_labels(ax) -> None:
+    """Plain numbers (0.2, 5) on a log y axis, not 2×10⁻¹; minor ticks labelled at 2 and 5
+    while the axis spans at most two decades (more would crowd it)."""
+    from matplotlib.ticker import FuncFormatter
+
+    def minor(x, _pos):
+        lo, hi = ax.get_ylim()
+        mantissa = x / 10.0 ** math.floor(math.log10(x) + 1e-9)
+        wanted = hi / lo <= 100 and round(mantissa, 6) in (2.0, 5.0)
+        return f"{x:g}" if wanted else ""
+
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda x, _pos: f"{x:g}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(minor))
+
+
+def _write_settings(ax, r: Run) -> None:
+    """The run's settings and results as a small table of text (one run's report)."""
+    s = r.settings
+    finite = [v for v in r.units_per_s if math.isfinite(v)]
+    batch = s.get("global_batch_size")
+    accum = s.get("grad_accum")
+    rows = [
+        ("strategy", _strategy(r)), ("model", None if r.model == "?" else r.model),
+        ("steps", _span(r.steps)),
+        ("global batch", None if batch is None else
+         f"{batch}" + (f" ({accum} accumulation steps)" if accum and accum > 1 else "")),
+        ("lr", _lr(r) and " ".join(filter(None, (_lr(r), s.get("lr_schedule"))))),
+        ("max grad norm", _clip(r)), ("precision", s.get("precision")),
+        ("seed", s.get("seed")),
+        ("final loss", f"{r.final_loss:.6g}"),
+        ("validation", f"{r.val_losses[-1]:.6g} at step {r.val_steps[-1]}" if r.val_steps
+         else None),
+        ("throughput", f"{statistics.median(finite):,.0f} {r.unit}/s (median)" if finite
+         else None),
+        ("peak RSS", f"{max(r.peak_rss_mb_per_rank):,.0f} MiB (max over ranks)"
+         if r.peak_rss_mb_per_rank else None),
+    ]
+    text = "\n".join(f"{k:<14}{v}" for k, v in rows if v is not None)
+    ax.axis("off")
+    ax.set_title("run", loc="left")
+    ax.text(0.02, 0.98, text, va="top", ha="left", family="monospace", fontsize=10,
+            transform=ax.transAxes)
+
+
+def _empty(ax, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.4")
 
 
 def _plot_loss_difference(ax, runs: list[Run], shared: list[list[int]]) -> None:
@@ -253,8 +461,7 @@ def _plot_peak_memory(ax, runs: list[Run]) -> None:
     drawn = [r for r in runs if r.peak_rss_mb_per_rank]
     ax.set(title="peak memory per rank (RSS)", xlabel="rank", ylabel="MiB")
     if not drawn:
-        ax.text(0.5, 0.5, f"no peak_rss_mb_per_rank in {SUMMARY_NAME}", ha="center",
-                va="center", transform=ax.transAxes, color="0.4")
+        _empty(ax, f"no peak_rss_mb_per_rank in {SUMMARY_NAME}")
         return
     width = 0.8 / len(drawn)
     most = max(len(r.peak_rss_mb_per_rank) for r in drawn)

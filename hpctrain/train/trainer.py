@@ -348,12 +348,14 @@ class Trainer:
                 dt = time.perf_counter() - t0
                 losses.append(loss)
                 progress.update(step, loss, units_per_step / dt)
+                elapsed_s = time.perf_counter() - start
+                val_loss = None  # measured before the step's row is written: it is a column
+                if self.validation is not None and (step + 1) % self.validation[3] == 0:
+                    val_loss = self._validate_during_fit(step + 1, events if main else None)
                 if main:
                     self._log_step(csv, events, step + 1, loss, lr, units_per_step / dt,
-                                   time.perf_counter() - start)
+                                   elapsed_s, val_loss)
                 self.sampler.step = step + 1
-                if self.validation is not None and (step + 1) % self.validation[3] == 0:
-                    self._validate_during_fit(step + 1, events if main else None)
                 stop = self._callbacks_stop(step + 1, loss, lr, units_per_step / dt)
                 if ck.dir and ck.every and (step + 1) % ck.every == 0:
                     self.save(step + 1, losses)
@@ -405,13 +407,15 @@ class Trainer:
         return summary
 
     def _log_step(self, csv, events, step: int, loss: float, lr: float, units_per_s: float,
-                  elapsed_s: float) -> None:
+                  elapsed_s: float, val_loss: float | None = None) -> None:
         """One row of metrics.csv and the step's TensorBoard scalars (rank 0). grad_norm
-        comes from clipping or the non-finite guard: no communication of its own."""
+        comes from clipping or the non-finite guard (the global norm, the same on every
+        rank): no communication of its own. val_loss: the step's validation, if one ran."""
         norm, rss = self.guard.norm, peak_rss_mb()
         csv.write(step=step, loss=f"{loss:.8g}", lr=lr, units_per_s=f"{units_per_s:.6g}",
                   elapsed_s=f"{elapsed_s:.4f}", grad_norm="" if norm is None else f"{norm:.8g}",
-                  peak_rss_mb=f"{rss:.1f}")
+                  peak_rss_mb=f"{rss:.1f}",
+                  val_loss="" if val_loss is None else f"{val_loss:.8g}")
         events.write(step, {"loss": loss, "lr": lr, "grad_norm": norm,
                             f"throughput_{self.built.unit}_per_s": units_per_s,
                             "peak_rss_mb": rss})
@@ -445,7 +449,7 @@ class Trainer:
         units /= self.world.size // ranks
         return total / units if units else float("nan")
 
-    def _validate_during_fit(self, step: int, events) -> None:
+    def _validate_during_fit(self, step: int, events) -> float:
         dataset, batch_size, loss_fn, _ = self.validation
         set_context(phase="validation")
         loss = self.evaluate(dataset, batch_size, loss_fn)
@@ -456,6 +460,7 @@ class Trainer:
                 events.write(step, {"val_loss": loss})
         for cb in self.callbacks:
             cb.on_validation_end(self.owner, step, {"val_loss": loss})
+        return loss
 
     def _callbacks_stop(self, step: int, loss: float, lr: float, rate: float) -> bool:
         """Call on_step_end of every callback; True when one asked to stop. The ranks agree
@@ -507,5 +512,10 @@ class Trainer:
             "precision": t.precision,
             "global_batch_size": t.global_batch_size,
             "grad_accum": t.grad_accum,
+            # what `hpctrain report` names when overlaid runs differ (train/report.py)
+            "lr": t.lr,
+            "lr_schedule": t.lr_schedule,
+            "max_grad_norm": t.max_grad_norm,
+            "seed": t.seed,
             "elapsed_s": elapsed,
         }

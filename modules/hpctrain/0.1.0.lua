@@ -3,17 +3,22 @@
 -- A site install writes a copy with the SITE values filled in:
 --     modules/write-modulefile.sh PREFIX MODULEFILES_DIR [MPI_MODULE] [HDF5_MODULE] [CUDA_MODULE]
 -- (modules/install.sh does it when HPCTRAIN_MODULEFILES is set). Unfilled, this file loads
--- the .venv of the checkout it lives in (`make setup`): `module use modules; module load hpctrain`.
+-- the .venv of the checkout it lives in (`make setup`): `module use modules; module load hpctrain`,
+-- and depends on no other module (`make setup` takes MPI and HDF5 from the OS packages).
 
 local version     = "0.1.0"
 local site_prefix = ""          -- SITE: install prefix (HPCTRAIN_VENV given to modules/install.sh)
-local mpi_module  = "openmpi"   -- SITE: the MPI module hpctrain was built against ("" for none)
-local hdf5_module = "hdf5"      -- SITE: the parallel HDF5 module h5py was built against ("" for none)
+local mpi_module  = ""          -- SITE: the MPI module hpctrain was built against ("": none)
+local hdf5_module = ""          -- SITE: the parallel HDF5 module h5py was built against ("": none)
 local cuda_module = ""          -- SITE: the CUDA module on GPU sites ("" on CPU-only installs)
-local pyver       = ""          -- SITE: python X.Y of the install ("" asks its python at load time)
 
 local checkout = myFileName():match("^(.*)/modules/hpctrain/[^/]+$")
 local prefix = site_prefix ~= "" and site_prefix or pathJoin(checkout or "", ".venv")
+
+local loads = {}
+for _, m in ipairs({mpi_module, hdf5_module, cuda_module}) do
+    if m ~= "" then table.insert(loads, m) end
+end
 
 whatis("Name: hpctrain")
 whatis("Version: " .. version)
@@ -28,15 +33,16 @@ hpctrain ]] .. version .. [[ -- training toolkit for PyTorch on supercomputers.
   python -m hpctrain doctor                         # check MPI, Horovod, parallel HDF5
   python -m hpctrain jobgen --scheduler slurm --nodes 2 --gpus-per-node 4 -o job.sbatch
 
-Loads: ]] .. table.concat({mpi_module, hdf5_module, cuda_module}, " ") .. [[
+Loads: ]] .. (#loads > 0 and table.concat(loads, " ") or "no other module (MPI and HDF5 of the OS)") .. [[
 
 Install prefix: ]] .. prefix .. [[
 ]])
 
--- The MPI/HDF5/CUDA that mpi4py, h5py and Horovod were built against must be loaded too;
--- depends_on loads them if needed and unloads them with hpctrain only if it loaded them.
-for _, m in ipairs({mpi_module, hdf5_module, cuda_module}) do
-    if m ~= "" then depends_on(m) end
+-- The MPI/HDF5/CUDA that mpi4py, h5py and Horovod were built against must be loaded too
+-- (only those named at install time): depends_on loads them if needed and unloads them with
+-- hpctrain only if it loaded them.
+for _, m in ipairs(loads) do
+    depends_on(m)
 end
 
 if not isDir(prefix) and mode() == "load" then
@@ -44,15 +50,10 @@ if not isDir(prefix) and mode() == "load" then
               "checkout, or write a site modulefile with modules/write-modulefile.sh PREFIX DIR")
 end
 
-if pyver == "" and isFile(pathJoin(prefix, "bin", "python")) then
-    pyver = capture(pathJoin(prefix, "bin", "python") ..
-                    " -c 'import sys; print(\"%d.%d\" % sys.version_info[:2])'"):gsub("%s+", "")
-end
-
 setenv("HPCTRAIN_ROOT", prefix)
 setenv("HPCTRAIN_VERSION", version)
+-- Only the install's bin/ (its python, the hpctrain command): `python -m hpctrain` runs the
+-- install's interpreter with its own site-packages. No PYTHONPATH: that would put this
+-- install's torch into every other Python environment of the user.
 prepend_path("PATH", pathJoin(prefix, "bin"))
-if pyver ~= "" then
-    prepend_path("PYTHONPATH", pathJoin(prefix, "lib", "python" .. pyver, "site-packages"))
-end
 family("hpctrain")

@@ -13,6 +13,7 @@ from tests.mpirun import ROOT, mpi_env, run_mpi
 # Every SLURM test trains the same thing, so one mpirun run is the reference for all of them.
 REF_ARGS = ["--model", "mlp", "--steps", "20", "--global-batch-size", "32"]
 VENV = sys.prefix  # the virtualenv running the tests; job scripts activate it (HPCTRAIN_VENV)
+LMOD_INIT = "/usr/share/lmod/lmod/init/bash"  # Lmod of the OS package (`make setup`)
 
 
 def job_env(**extra):
@@ -21,8 +22,10 @@ def job_env(**extra):
     for k in list(env):  # a stray outer allocation must not leak into the test cluster
         if k.startswith(("SLURM_", "SBATCH_", "SRUN_", "PBS_", "PALS_")):
             del env[k]
+    # The jobs' ranks outnumber the VM's cores; a job with cpus-per-task > 1 runs that many
+    # OpenMP threads per rank, and idle ones spinning would starve the other ranks.
     env.update(HPCTRAIN_VENV=VENV, PATH=os.path.join(VENV, "bin") + os.pathsep + env["PATH"],
-               **{k: str(v) for k, v in extra.items()})
+               OMP_WAIT_POLICY="PASSIVE", **{k: str(v) for k, v in extra.items()})
     return env
 
 

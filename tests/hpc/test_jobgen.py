@@ -56,7 +56,9 @@ def test_slurm_gpu_flags(tmp_path):
                  "#SBATCH --cpus-per-task=12", "#SBATCH --partition=gpu-large",
                  "#SBATCH --account=abc123", "#SBATCH --time=1-00:00:00", "#SBATCH --requeue",
                  "#SBATCH --signal=USR1@90", "--strategy zero3", "--resume auto",
-                 "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}", "# export NCCL_SOCKET_IFNAME"):
+                 "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}",
+                 "export SRUN_CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-1}",
+                 'echo "hpctrain: python is $(command -v python)"', "# export NCCL_SOCKET_IFNAME"):
         assert line in text, line
     assert "{{" not in text and os.access(out, os.X_OK)
 
@@ -65,7 +67,8 @@ def test_pbs_gpu_flags():
     text = _jobgen("--scheduler", "pbs", "--nodes", "10", "--gpus-per-node", "4",
                    "--queue", "prod", "--account", "proj").stdout
     for line in ("#PBS -l select=10:ncpus=32:mpiprocs=4:ngpus=4", "#PBS -q prod", "#PBS -A proj",
-                 "NRANKS_PER_NODE=4", 'mpiexec -n "$NTOTRANKS" --ppn "$NRANKS_PER_NODE"'):
+                 "NRANKS_PER_NODE=4", 'mpiexec -n "$NTOTRANKS" --ppn "$NRANKS_PER_NODE"',
+                 'echo "hpctrain: python is $(command -v python)"'):
         assert line in text, line
     assert "#PBS -r y" not in text  # only pre-emptible jobs are rerunnable
 

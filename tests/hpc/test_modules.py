@@ -1,7 +1,10 @@
 """The modulefiles load with the OS's Lmod in a clean login shell and give a working hpctrain.
 
-The real modulefiles depend_on the site's MPI and HDF5 modules; here those are tiny stub
-modulefiles in a temp MODULEPATH (test fixtures only: they set one variable each).
+A site's modulefile depends_on the MPI and HDF5 modules named at install time; here those are
+tiny stub modulefiles in a temp MODULEPATH (test fixtures only: they set one variable each).
+The unfilled modulefile of a checkout depends on no module (`make setup` takes MPI and HDF5
+from the OS) and loads with nothing else on MODULEPATH. No modulefile sets PYTHONPATH: the
+install's bin/ on PATH gives its python.
 """
 
 import os
@@ -11,9 +14,9 @@ import sys
 
 import pytest
 
+from tests.hpc.conftest import LMOD_INIT
 from tests.mpirun import ROOT
 
-LMOD_INIT = "/usr/share/lmod/lmod/init/bash"
 VERSION = __import__("hpctrain").__version__
 VENV = sys.prefix
 
@@ -39,12 +42,13 @@ def _clean_shell(script, cwd):
 def test_lmod_site_install_runs_doctor(tmp_path):
     """write-modulefile.sh PREFIX DIR, then module load hpctrain: doctor passes."""
     subprocess.run(["bash", os.path.join(ROOT, "modules", "write-modulefile.sh"), VENV,
-                    str(tmp_path / "site")], check=True, capture_output=True, timeout=60)
+                    str(tmp_path / "site"), "openmpi", "hdf5"], check=True, capture_output=True,
+                   timeout=60)
     stubs = _stubs(tmp_path / "stubs")
     proc = _clean_shell(f"""
         module use {stubs} && module use {tmp_path}/site && module load hpctrain || exit 9
         echo "ROOT=$HPCTRAIN_ROOT MPI=$STUB_MPI_LOADED HDF5=$STUB_HDF5_LOADED"
-        echo "PY=$(command -v python)"
+        echo "PY=$(command -v python) PYTHONPATH=${{PYTHONPATH-unset}}"
         module list 2>&1
         python -m hpctrain doctor || exit 8
         module unload hpctrain && echo "AFTER=${{HPCTRAIN_ROOT:-unset}} ${{STUB_MPI_LOADED:-unset}}"
@@ -52,34 +56,39 @@ def test_lmod_site_install_runs_doctor(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert f"ROOT={VENV} MPI=1 HDF5=1" in out
-    assert f"PY={VENV}/bin/python" in out
+    assert f"PY={VENV}/bin/python PYTHONPATH=unset" in out
     assert f"hpctrain/{VERSION}" in out and "openmpi/4.1" in out and "hdf5/1.12" in out
     assert "doctor: all" in out and "checks passed" in out
     assert "AFTER=unset unset" in out  # depends_on unloads what it loaded
 
 
-def test_lmod_checkout_default_prefix(tmp_path):
-    """Unfilled, modules/hpctrain/<v>.lua points at the .venv of the checkout holding it."""
+def test_lmod_checkout_loads_as_the_readme_says_and_doctor_passes(tmp_path):
+    """Unfilled, modules/hpctrain/<v>.lua loads the .venv of the checkout holding it, with no
+    MPI/HDF5 module on MODULEPATH (they came from the OS): the README's commands, then
+    doctor. Python and hpctrain come through PATH alone (PYTHONPATH stays unset)."""
     checkout = tmp_path / "checkout"
     shutil.copytree(os.path.join(ROOT, "modules"), checkout / "modules")
     (checkout / ".venv").symlink_to(VENV)
-    stubs = _stubs(tmp_path / "stubs")
     proc = _clean_shell(f"""
-        module use {stubs} && module use {checkout}/modules && module load hpctrain || exit 9
-        echo "ROOT=$HPCTRAIN_ROOT"
-        python -c 'import hpctrain, sys; print("IMPORT", sys.prefix)'
+        cd {checkout} && module use modules && module load hpctrain || exit 9
+        echo "ROOT=$HPCTRAIN_ROOT PYTHONPATH=${{PYTHONPATH-unset}} PY=$(command -v python)"
+        module -t list 2>&1 | sed 's/^/LOADED /'
+        python -c 'import hpctrain, sys; print("IMPORT", sys.prefix)' || exit 7
+        python -m hpctrain doctor || exit 8
         """, cwd=str(tmp_path))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert f"ROOT={checkout}/.venv" in out
-    assert "IMPORT" in out
+    assert f"ROOT={checkout}/.venv PYTHONPATH=unset PY={checkout}/.venv/bin/python" in out, out
+    assert [ln for ln in out.splitlines() if ln.startswith("LOADED ")] == \
+        [f"LOADED hpctrain/{VERSION}"], out  # depends on nothing
+    assert f"IMPORT {checkout}/.venv" in out
+    assert "doctor: all" in out and "FAIL" not in out, out
 
 
 def test_lmod_missing_prefix_is_a_clear_error(tmp_path):
     checkout = tmp_path / "checkout"
     shutil.copytree(os.path.join(ROOT, "modules"), checkout / "modules")  # no .venv
-    stubs = _stubs(tmp_path / "stubs")
-    proc = _clean_shell(f"module use {stubs} {checkout}/modules && module load hpctrain",
+    proc = _clean_shell(f"module use {checkout}/modules && module load hpctrain",
                         cwd=str(tmp_path))
     assert proc.returncode != 0
     assert "install prefix" in proc.stderr and "does not exist" in proc.stderr, proc.stderr
@@ -89,17 +98,17 @@ def test_tcl_modulefile_loads_through_lmod(tmp_path):
     """Lmod reads Tcl modulefiles too (its tcl2lua runs the file in a real tclsh)."""
     env = dict(os.environ, HPCTRAIN_TCL_MODULEFILES=str(tmp_path / "tcl"))
     subprocess.run(["bash", os.path.join(ROOT, "modules", "write-modulefile.sh"), VENV,
-                    str(tmp_path / "lua")], check=True, env=env, capture_output=True, timeout=60)
+                    str(tmp_path / "lua"), "openmpi", "hdf5"], check=True, env=env,
+                   capture_output=True, timeout=60)
     stubs = _stubs(tmp_path / "stubs", tcl=True)
     proc = _clean_shell(f"""
         module use {stubs} && module use {tmp_path}/tcl && module load hpctrain || exit 9
-        echo "ROOT=$HPCTRAIN_ROOT MPI=$STUB_MPI_LOADED PYTHONPATH=$PYTHONPATH"
+        echo "ROOT=$HPCTRAIN_ROOT MPI=$STUB_MPI_LOADED PYTHONPATH=${{PYTHONPATH-unset}}"
         python -m hpctrain --version
         """, cwd=str(tmp_path))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    pyver = "%d.%d" % sys.version_info[:2]
-    assert f"ROOT={VENV} MPI=1 PYTHONPATH={VENV}/lib/python{pyver}/site-packages" in out
+    assert f"ROOT={VENV} MPI=1 PYTHONPATH=unset" in out
     assert f"hpctrain {VERSION}" in out
 
 
@@ -142,4 +151,43 @@ def test_tcl_modulefile_parses_in_tclsh(tmp_path):
                  "MODULE load mpi/openmpi-4", "PREREQ hdf5-parallel", "PREREQ cuda/12.4",
                  "WHATIS Name: hpctrain"):
         assert line in out, out
+    assert "PYTHONPATH" not in out
     assert f"hpctrain {VERSION}" in proc.stderr  # ModulesHelp
+    # unfilled (a checkout's): its .venv, no module loaded or required
+    checkout = tmp_path / "checkout"
+    shutil.copytree(os.path.join(ROOT, "modules"), checkout / "modules")
+    (checkout / ".venv").symlink_to(VENV)
+    unfilled = subprocess.run([tclsh, str(harness), str(checkout / "modules" / "tcl" /
+                                                         "hpctrain" / VERSION)],
+                              capture_output=True, text=True, timeout=60)
+    assert unfilled.returncode == 0, unfilled.stderr
+    assert f"PREPEND PATH={checkout}/.venv/bin" in unfilled.stdout, unfilled.stdout
+    assert "MODULE" not in unfilled.stdout and "PREREQ" not in unfilled.stdout, unfilled.stdout
+
+
+# A stand-in interpreter for install.sh's steps: prints each pip command it is given.
+FAKE_PYTHON = "#!/bin/sh\necho \"PIP $*\"\n"
+
+
+@pytest.mark.parametrize("editable", ["1", "0"])
+def test_install_sh_puts_test_extras_only_in_a_development_install(tmp_path, editable):
+    """HPCTRAIN_EDITABLE=1 (`make setup`, `make test`): pytest and transformers; 0 (a site
+    prefix on users' PATH): neither, and h5py's build tools removed after the build."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(FAKE_PYTHON)
+    (venv / "bin" / "python").chmod(0o755)
+    env = dict(os.environ, HPCTRAIN_VENV=str(venv), HPCTRAIN_EDITABLE=editable)
+    proc = subprocess.run(["bash", "-c", f"source {ROOT}/modules/install.sh && make_venv && "
+                                         "remove_build_tools"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    pip = [ln.split() for ln in proc.stdout.splitlines() if ln.startswith("PIP ")]
+    installed = {w.split("=")[0].split(">")[0] for ln in pip if "install" in ln for w in ln}
+    assert {"torch", "mpi4py", "numpy", "Cython", "pkgconfig"} <= installed
+    assert ({"pytest", "transformers"} <= installed) == (editable == "1"), pip
+    removed = [ln for ln in pip if "uninstall" in ln]
+    if editable == "1":
+        assert removed == [], pip
+    else:
+        assert len(removed) == 1 and {"Cython", "pkgconfig"} <= set(removed[0]), pip

@@ -18,8 +18,9 @@ import time
 import numpy as np
 import pytest
 
-from tests.hpc.conftest import copy_job, job_env
+from tests.hpc.conftest import LMOD_INIT, VENV, copy_job, job_env
 from tests.hpc.procs import session_procs
+from tests.mpirun import ROOT
 
 pytestmark = pytest.mark.mpi
 
@@ -76,13 +77,32 @@ def _run_script(script, env, timeout=300):
                           timeout=timeout)
 
 
-@pytest.mark.parametrize("name", ["pbs-cpu.pbs", "pbs-gpu.pbs"])
-def test_pbs_script_under_emulated_pals(reference, tmp_path, name):
+def _via_module(env, tmp_path):
+    """Make the job find hpctrain as a site's user does: no virtualenv activated or on PATH,
+    Lmod's `module` in the job's bash (BASH_ENV, as Lmod's login setup exports it) and a
+    site modulefile of this install on MODULEPATH."""
+    if not os.path.exists(LMOD_INIT):
+        pytest.skip("Lmod is not installed (`make setup` as root installs the lmod package)")
+    subprocess.run(["bash", os.path.join(ROOT, "modules", "write-modulefile.sh"), VENV,
+                    str(tmp_path / "modulefiles")], check=True, capture_output=True, timeout=60)
+    del env["HPCTRAIN_VENV"]
+    env.pop("VIRTUAL_ENV", None)
+    shim = env["PATH"].split(os.pathsep)[0]
+    env.update(PATH=f"{shim}:/usr/local/bin:/usr/bin:/bin", BASH_ENV=LMOD_INIT,
+               MODULEPATH=str(tmp_path / "modulefiles"), LMOD_ALLOW_ROOT_USE="yes")
+
+
+@pytest.mark.parametrize("name, via", [("pbs-cpu.pbs", "venv"), ("pbs-gpu.pbs", "module")])
+def test_pbs_script_under_emulated_pals(reference, tmp_path, name, via):
     script = copy_job(name, str(tmp_path))
     env = _pbs_env(tmp_path, name, 4, MODEL="mlp", STEPS="20")
+    if via == "module":
+        _via_module(env, tmp_path)
     proc = _run_script(script, env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
+    # the ranks' python is the install's: the venv's, activated or through the module's PATH
+    assert f"hpctrain: python is {VENV}/bin/python" in out, out
     assert "mpiexec shim: -n 4 --ppn 4 on 1 node(s)" in out
     assert "hpctrain: launcher=pals ranks=4 nodes=1 ranks/node=4 device=cpu" in out, out
     assert "hpctrain exit code 0" in out

@@ -2,8 +2,8 @@
 
 The cluster is one machine (tests/hpc/slurm_cluster.py), so the site-specific lines of the
 scripts are parameterised the way a user would edit them: nodes=2 -> 1, 8 cores per GPU
-rank -> 1 (the VM has 2 cores). GPUs are fake gres devices: SLURM accounts them and sets
-CUDA_VISIBLE_DEVICES, torch finds no CUDA and the ranks train on CPU.
+rank -> 2 (the VM has 2 cores; the node declares 16). GPUs are fake gres devices: SLURM
+accounts them and sets CUDA_VISIBLE_DEVICES, torch finds no CUDA and the ranks train on CPU.
 """
 
 import csv
@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.hpc.conftest import REF_ARGS, copy_job
+from tests.hpc.conftest import REF_ARGS, VENV, copy_job
 
 pytestmark = pytest.mark.slurm
 
@@ -61,18 +61,24 @@ def _log(cwd, pattern):
         return fh.read()
 
 
-@pytest.mark.parametrize("name, edits", [
-    ("slurm-cpu.sbatch", []),
+@pytest.mark.parametrize("name, cpus, edits", [
+    ("slurm-cpu.sbatch", 1, []),
     # multi-node GPU script on the one-node cluster: the two lines a site sizes
-    ("slurm-gpu.sbatch", [("#SBATCH --nodes=2", "#SBATCH --nodes=1"),
-                          ("#SBATCH --cpus-per-task=8", "#SBATCH --cpus-per-task=1")]),
+    ("slurm-gpu.sbatch", 2, [("#SBATCH --nodes=2", "#SBATCH --nodes=1"),
+                             ("#SBATCH --cpus-per-task=8", "#SBATCH --cpus-per-task=2")]),
 ])
-def test_sbatch_job_script(slurm, reference, tmp_path, name, edits):
+def test_sbatch_job_script(slurm, reference, tmp_path, name, cpus, edits):
     script = copy_job(name, str(tmp_path), edits)
-    job, state = _sbatch(slurm, script, str(tmp_path), {"MODEL": "mlp", "STEPS": "20"})
+    # SLURM_DEBUG=1: srun -v, which prints the options its step was given
+    job, state = _sbatch(slurm, script, str(tmp_path), {"MODEL": "mlp", "STEPS": "20",
+                                                         "SLURM_DEBUG": "1"})
     log = _log(str(tmp_path), r"hpctrain-(cpu|gpu)-\d+\.out")
     assert state == "COMPLETED", log + slurm.logs()
+    # Slurm >= 22.05 gives srun's step the job's cpus-per-task only through
+    # SRUN_CPUS_PER_TASK (without it srun -v prints no cpus-per-task: one core per rank)
+    assert re.search(rf"^srun: cpus-per-task\s*: {cpus}$", log, re.M), log
     assert "hpctrain: launcher=slurm ranks=4 nodes=1 ranks/node=4 device=cpu" in log, log
+    assert f"hpctrain: python is {VENV}/bin/python" in log, log
     assert "hpctrain exit code 0" in log
     final = re.search(r"done: 20 steps, loss [\d.]+ -> ([\d.]+)", log)
     assert final and abs(float(final.group(1)) - reference["final_loss"]) < 5e-5, log

@@ -6,7 +6,9 @@ and one run stops itself early; a config error and a model the domain split cann
 raise the same exception on every rank. Rank 0 writes what it saw.
 """
 
+import csv
 import json
+import os
 import sys
 
 import torch
@@ -75,8 +77,12 @@ def main():
     # 37 validation samples in batches of 10: the last batch is short and some ranks'
     # parts of it are empty
     val = DataLoader(Pairs(37, seed=5), batch_size=10, collate_fn=collate)
+    # metrics.csv (rank 0 writes it): the validations and the global gradient norms per step
+    run_dir = f"{out}.run"
     trainer = hpctrain.Trainer(strategy=strategy, steps=12, lr=0.05, optimizer="sgd",
-                               progress="off", out_dir="", callbacks=[rec], val_every=4, **mesh)
+                               progress="off", out_dir=run_dir,
+                               set={"train.report": False, "train.tensorboard": False},
+                               callbacks=[rec], val_every=4, **mesh)
     summary = trainer.fit(Net(), loader, val, loss_fn=loss)
     after = trainer.validate(val)["val_loss"]
     # early stopping: every rank stops after the same step
@@ -98,11 +104,13 @@ def main():
             refused.append([type(exc).__name__, str(exc)])
     refused = trainer.world.mpi_comm.allgather(refused)
     if trainer.world.rank == 0:
+        with open(os.path.join(run_dir, "metrics.csv"), newline="") as f:
+            rows = [[int(r["step"]), r["grad_norm"], r["val_loss"]] for r in csv.DictReader(f)]
         with open(out, "w") as f:
             json.dump({"losses": summary["losses"], "steps_seen": rec.steps, "ended": rec.ended,
                        "val": rec.val, "val_summary": summary["val_losses"], "after": after,
                        "early_losses": cut["losses"], "stopped_at": stopped,
-                       "early_ended": early.ended, "refused": refused}, f)
+                       "early_ended": early.ended, "refused": refused, "csv": rows}, f)
 
 
 if __name__ == "__main__":

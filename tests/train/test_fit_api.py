@@ -2,7 +2,8 @@
 items, a collate_fn) train the same under zero3 at 2 ranks and fsdp at 3 as in one process;
 callbacks see every step; validation every few steps gives the same loss at every world
 size; early stopping stops every rank after the same step; what the plan cannot run raises
-the same clear exception on every rank."""
+the same clear exception on every rank. metrics.csv carries the validations at their steps
+and the global gradient norm, the same at every world size."""
 
 import pytest
 import torch
@@ -26,6 +27,12 @@ def test_fit_with_a_dataloader_matches_one_process_and_stops_early_together(tmp_
     assert want["after"] == want["val"][-1][1]
     # epochs=4 of 96 samples at the DataLoader's batch of 16: 24 steps, cut after step 5
     assert want["early_ended"] == want["stopped_at"][0] < 24
+    # metrics.csv: val_loss only at the validated steps, the global grad norm at every step
+    assert [s for s, _, _ in want["csv"]] == list(range(1, 13))
+    assert [(s, float(v)) for s, _, v in want["csv"] if v] == \
+        [(s, float(f"{v:.8g}")) for s, v in want["val"]]
+    norms = [float(n) for _, n, _ in want["csv"]]
+    assert all(n > 0 for n in norms)
     for name, ranks, args in (("zero3", 2, ["zero3"]), ("fsdp", 3, ["fsdp"])):
         got = _run(tmp_path, name, ranks, *args)
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]),
@@ -35,6 +42,10 @@ def test_fit_with_a_dataloader_matches_one_process_and_stops_early_together(tmp_
                                    rtol=1e-5, atol=0, msg=name)
         torch.testing.assert_close(torch.tensor(got["early_losses"]),
                                    torch.tensor(want["early_losses"]), rtol=1e-5, atol=0)
+        # rank 0's row holds the norm over every rank's shard: one process's norm
+        torch.testing.assert_close(torch.tensor([float(n) for _, n, _ in got["csv"]]),
+                                   torch.tensor(norms), rtol=1e-5, atol=0, msg=name)
+        assert [s for s, _, v in got["csv"] if v] == [4, 8, 12], name
         # a config error and a model the plan cannot run: the same exception on every rank
         assert got["refused"] == [want["refused"][0]] * ranks, (name, got["refused"])
     (config_kind, config_text), (model_kind, model_text) = want["refused"][0]

@@ -1,6 +1,7 @@
 """report.png: drawn from a run's files, overlaid for several runs, written at the end of train."""
 
 import json
+import math
 import os
 import struct
 import subprocess
@@ -10,26 +11,34 @@ import pytest
 
 from hpctrain.cli import main
 from hpctrain.train.metrics import SUMMARY_NAME, MetricsCSV, write_summary
-from hpctrain.train.report import (ReportError, draw_report, load_run, load_runs,
-                                   report_after_training, title_of)
+from hpctrain.train.report import (ReportError, differences, draw_report, load_run,
+                                   load_runs, report_after_training, title_of)
 from tests.mpirun import ROOT, run_mpi, run_single
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def _write_run(out_dir, losses, strategy="single", world_size=1, peaks=(350.0,), first_step=1,
-               summary=True):
+               summary=True, val_every=0, lr=0.01, batch=32, norms=True, clip=0.0, **settings):
     """A run directory as train leaves it: metrics.csv (8 digits) and summary.json."""
     m = MetricsCSV(str(out_dir), True)
+    val = []
     for i, loss in enumerate(losses):
-        m.write(step=first_step + i, loss=f"{loss:.8g}", lr=0.01, units_per_s=1000.0 + 10 * i,
-                elapsed_s=0.1 * i)
+        step = first_step + i
+        if val_every and step % val_every == 0:
+            val.append([step, loss + 0.05])
+        m.write(step=step, loss=f"{loss:.8g}", lr=lr * min(1.0, step / 3),
+                units_per_s=1000.0 + 10 * i, elapsed_s=0.1 * i,
+                grad_norm=f"{5.0 / step:.8g}" if norms else "",
+                val_loss=f"{val[-1][1]:.8g}" if val and val[-1][0] == step else "")
     m.close()
     if summary:
-        write_summary(str(out_dir / SUMMARY_NAME), {
+        write_summary(str(out_dir / SUMMARY_NAME), dict({
             "strategy": strategy, "world_size": world_size, "model": "gpt", "unit": "tokens",
-            "losses": list(losses), "final_loss": losses[-1],
-            "peak_rss_mb": max(peaks), "peak_rss_mb_per_rank": list(peaks)})
+            "losses": list(losses), "final_loss": losses[-1], "global_batch_size": batch,
+            "grad_accum": 1, "lr": lr, "lr_schedule": "constant", "max_grad_norm": clip,
+            "precision": "fp32", "seed": 0, "val_losses": val,
+            "peak_rss_mb": max(peaks), "peak_rss_mb_per_rank": list(peaks)}, **settings))
     return str(out_dir)
 
 
@@ -44,11 +53,12 @@ def _png_size(path) -> tuple[int, int]:
 LOSSES = [4.0 - 0.1 * i for i in range(12)]
 
 
-def test_one_run_is_a_row_of_three_panels(tmp_path):
-    run = _write_run(tmp_path / "a", LOSSES, "zero3", 2, peaks=(351.5, 349.0))
+def test_one_run_is_two_rows_of_three_panels(tmp_path):
+    run = _write_run(tmp_path / "a", LOSSES, "zero3", 2, peaks=(351.5, 349.0), val_every=4,
+                     clip=1.0)
     out = draw_report([load_run(run)], str(tmp_path / "a" / "report.png"))
     w, h = _png_size(out)
-    assert w > 2.5 * h and 20_000 < os.path.getsize(out) < 2_000_000
+    assert 1.6 < w / h < 2.2 and 20_000 < os.path.getsize(out) < 2_000_000
     assert not os.path.exists(out + ".tmp")
     assert title_of([load_run(run)]) == "zero3 · gpt · 2 ranks · final loss 2.9"
 
@@ -59,9 +69,55 @@ def test_three_runs_overlay_in_a_grid_with_the_loss_difference(tmp_path):
     pipe = _write_run(tmp_path / "pipe", LOSSES, "pipeline+ddp", 4, (300, 301, 302, 303))
     runs = load_runs([single, zero3, pipe])
     w, h = _png_size(draw_report(runs, str(tmp_path / "overlay.png")))
-    assert 1.2 < w / h < 1.8  # 2 x 2 axes, not the single run's row
+    assert 0.9 < w / h < 1.3  # 3 rows x 2 axes, not the single run's 2 x 3
     assert title_of(runs) == ("gpt: single (1 rank) vs zero3 (2 ranks) vs pipeline+ddp "
                               "(4 ranks) · max |Δ final loss| 3e-07")
+
+
+def test_lr_grad_norm_and_validation_are_read_per_step(tmp_path):
+    run = load_run(_write_run(tmp_path / "a", LOSSES[:6], val_every=3, norms=False))
+    assert run.lrs == pytest.approx([0.01 / 3, 0.02 / 3, 0.01, 0.01, 0.01, 0.01])
+    assert run.grad_norms == [None] * 6  # nothing computed it: empty cells
+    assert run.val_steps == [3, 6]
+    assert run.val_losses == pytest.approx([LOSSES[2] + 0.05, LOSSES[5] + 0.05])
+    _png_size(draw_report([run], str(tmp_path / "r.png")))  # an empty grad-norm panel
+    again = load_run(_write_run(tmp_path / "b", LOSSES[:4]))
+    assert again.grad_norms == pytest.approx([5.0, 2.5, 5 / 3, 1.25]) and again.val_steps == []
+    # train.nonfinite = skip records the skipped step's norm as it was: NaN, not drawn
+    path = tmp_path / "b" / "metrics.csv"
+    path.write_text(path.read_text().replace(",2.5,", ",nan,"))
+    again = load_run(str(tmp_path / "b"))
+    assert math.isnan(again.grad_norms[1]) and again.grad_norms[0] == 5.0
+    _png_size(draw_report([again], str(tmp_path / "nan.png")))
+
+
+def test_validation_of_a_file_without_the_column_comes_from_the_summary(tmp_path):
+    run = _write_run(tmp_path / "a", LOSSES[:4], val_every=2)
+    path = tmp_path / "a" / "metrics.csv"
+    rows = path.read_text().splitlines()
+    path.write_text("\n".join(r.rsplit(",", 1)[0] for r in rows) + "\n")  # 7 columns
+    got = load_run(run)
+    assert (got.val_steps, got.val_losses) == ([2, 4], [LOSSES[1] + 0.05, LOSSES[3] + 0.05])
+
+
+def test_runs_that_differ_in_setup_say_how_one_line_each(tmp_path, capsys):
+    a = _write_run(tmp_path / "a", LOSSES, "single", 1)
+    b = _write_run(tmp_path / "b", LOSSES[:8], "zero3", 2, lr=0.02, batch=64, seed=5)
+    c = _write_run(tmp_path / "c", LOSSES, "single", 1, summary=False)
+    out = str(tmp_path / "cmp.png")
+    assert main(["report", a, b, c, "-o", out]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "hpctrain report: runs differ in steps: single 1-12, zero3 1-8, c 1-12; "
+        "|Δ loss| is drawn at the steps both runs have",
+        "hpctrain report: runs differ in strategy: single on 1 rank, zero3 on 2 ranks, c ?",
+        "hpctrain report: runs differ in global batch: single 32, zero3 64, c ?",
+        "hpctrain report: runs differ in lr: single 0.01, zero3 0.02, c 0.01",
+        "hpctrain report: runs differ in seed: single 0, zero3 5, c ?",
+        f"hpctrain: report {out}"]
+    runs = load_runs([a, b])
+    assert title_of(runs) == ("gpt: single (1 rank) vs zero3 (2 ranks) · max |Δ loss at the "
+                              "last shared step| 0")
+    assert differences(load_runs([a, a])) == []
 
 
 def test_labels_replace_strategies_and_the_path_is_printed(tmp_path, capsys):
