@@ -367,6 +367,12 @@ def _prepare(args, launch):
     except ConfigError as exc:
         return _fail(rank, str(exc))
     plan = cfg.plan(size)
+    from hpctrain.train.dropout import check_dropout
+
+    try:  # dropout a tensor or pipeline plan cannot give one process's masks
+        check_dropout(plan, built.model, built.dataset, cfg.train.per_rank_dropout)
+    except UsageError as exc:
+        return _fail(rank, str(exc))
     if plan.tensor:  # the split the plan asks of this model, and its loss
         from hpctrain.parallel.tensor import check as check_tensor
         from hpctrain.train.strategy import plan_options

@@ -32,16 +32,30 @@ LLAMA = "tests.fixtures.hf_models:llama_factory"
 LLAMA_TIED = "tests.fixtures.hf_models:llama_tied_factory"
 GENERIC = "tests.fixtures.chain_models:generic_factory"
 NOT_A_CHAIN = "tests.fixtures.chain_models:not_a_chain_factory"
+DICT_OUT = "tests.fixtures.chain_models:dict_factory"
+SHIFTED = "tests.fixtures.hf_models:gpt2_shifted_factory"
+UNCOUNTED = "tests.fixtures.hf_models:gpt2_shifted_uncounted_factory"
+LLAMA_DROPOUT = "tests.fixtures.hf_models:llama_dropout_factory"
+TOKENS = {"loss_weight": "tokens"}
 
 
-def _case(cid, model, strategy="single", mesh=None, flavour=None, ref=None, **pipeline):
+def _case(cid, model, strategy="single", mesh=None, flavour=None, ref=None, train=None,
+          **pipeline):
     runtime = {k: v for k, v in (("mesh", mesh), ("dp_flavour", flavour)) if v}
     return {"id": cid, "ref": ref, "overrides": {
-        "train": {"model": model, "strategy": strategy}, "runtime": runtime,
+        "train": {"model": model, "strategy": strategy, **(train or {})}, "runtime": runtime,
         "pipeline": pipeline}}
 
 
-REFS = [_case(m, m) for m in (GPT2, LLAMA, LLAMA_TIED, GENERIC)]
+def _fit(cid, ref=None, **kwargs):
+    """GPT2LMHeadModel on pad-to-longest dict batches (input_ids, attention_mask) through
+    Trainer.fit (tests/fixtures/hf_models.py:fit_masked)."""
+    return {"id": cid, "ref": ref, "fit": "tests.fixtures.hf_models:fit_masked",
+            "kwargs": kwargs}
+
+
+REFS = [_case(m, m) for m in (GPT2, LLAMA, LLAMA_TIED, GENERIC, DICT_OUT)] + [
+    _case("shifted", SHIFTED, train=TOKENS), _fit("masked")]
 TWO = [
     _case("gpt2-pp2", GPT2, "pipeline", "pp=2", ref=GPT2),
     _case("llama-pp2", LLAMA, "pipeline", "pp=2", ref=LLAMA),
@@ -49,10 +63,24 @@ TWO = [
           schedule="interleaved-1f1b", split_points="model.layers.1,model.layers.3,lm_head"),
     _case("generic-pp2", GENERIC, "pipeline", "pp=2", ref=GENERIC),
     _case("gpt2-zero3", GPT2, "zero3", ref=GPT2),
+    _case("dict-output-pp2", DICT_OUT, "pipeline", "pp=2", ref=DICT_OUT),
+    _case("shifted-zero3", SHIFTED, "zero3", ref="shifted", train=TOKENS),
+    _case("shifted-pp2", SHIFTED, "pipeline", "pp=2", ref="shifted", train=TOKENS),
+    _fit("masked-pp2", "masked", strategy="pipeline", mesh="pp=2"),
+]
+# Not compared with one process: the control (HF-style labels counted as given) and
+# attention dropout, accepted per rank under the pipeline and said once under zero3.
+OTHERS = [
+    _case("uncounted-zero3", UNCOUNTED, "zero3", train=TOKENS),
+    _case("dropout-pp2-per-rank", LLAMA_DROPOUT, "pipeline", "pp=2",
+          train={"per_rank_dropout": True, "steps": 2}),
+    _case("dropout-zero3", LLAMA_DROPOUT, "zero3", train={"steps": 2}),
+    {**_case("dropout-tp2", LLAMA_DROPOUT, "tensor", "tp=2"), "refused": True},
 ]
 FOUR = [
     _case("gpt2-pp2-dp2-zero3", GPT2, "pipeline", "pp=2,dp=2", "zero3", ref=GPT2),
     _case("llama-pp2-dp2-zero1", LLAMA, "pipeline", "pp=2,dp=2", "zero1", ref=LLAMA),
+    _fit("masked-pp2-dp2", "masked", strategy="pipeline", mesh="pp=2,dp=2", dp_flavour="ddp"),
 ]
 # The command line itself, with stages starting at a named module: the worker's defaults.
 CLI = {"id": "gpt2-pp2-split-cli", "ref": GPT2, "args": [
@@ -73,7 +101,7 @@ def _run_cli(tmp) -> dict:
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pipeline_any")
     got = {}
-    for n, cases in ((1, REFS), (2, TWO), (4, FOUR)):
+    for n, cases in ((1, REFS), (2, TWO + OTHERS), (4, FOUR)):
         cases_path, out = tmp / f"cases{n}.json", tmp / f"out{n}.json"
         cases_path.write_text(json.dumps(cases))
         run = run_single if n == 1 else lambda args, **kw: run_mpi(n, args, **kw)
@@ -90,6 +118,30 @@ def test_trains_as_one_process(results, case):
     assert len(got["losses"]) == 20
     np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5, atol=0)
     np.testing.assert_allclose(got["param_norm"], ref["param_norm"], rtol=1e-5)
+    if "val" in ref:  # Trainer.fit cases: validated at the end
+        assert len(ref["val"]) == 1
+        np.testing.assert_allclose(got["val"], ref["val"], rtol=1e-5, atol=0)
+
+
+@pytest.mark.mpi
+def test_hf_style_labels_need_their_count(results):
+    """The control: a loss shifting its labels inside, without count_units, is weighted by
+    every label, which is not what it averages over (the declared count above is exact)."""
+    got, ref = results["uncounted-zero3"]["losses"], results["shifted"]["losses"]
+    assert not np.allclose(got, ref, rtol=1e-5, atol=0)
+
+
+@pytest.mark.mpi
+def test_dropout_is_accepted_per_rank_or_said(results):
+    pp, zero3 = results["dropout-pp2-per-rank"]["log"], results["dropout-zero3"]["log"]
+    assert "model.layers.0.self_attn (dropout at modeling_llama.py" in pp
+    assert "masks are drawn per rank and piece (train.per_rank_dropout = true)" in pp
+    assert zero3.count("hpctrain: note: dropout > 0") == 1
+    assert "each data-parallel rank draws the masks of its own samples" in zero3
+    refused = results["dropout-tp2"]["error"]  # the same one line on every rank
+    assert refused.startswith("plan 'tensor") and "\n" not in refused
+    assert "model.layers.0.self_attn (dropout at modeling_llama.py" in refused
+    assert "set it to 0" in refused and "train.per_rank_dropout = true" in refused
 
 
 @pytest.mark.mpi
