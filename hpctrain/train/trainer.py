@@ -23,6 +23,7 @@ from hpctrain.models.layers import LayerStack
 from hpctrain.models.registry import BuiltModel, build, build_deferred, build_layers
 from hpctrain.parallel.orchestrator import defer_init, has_deferred, parallelize
 from hpctrain.train.dropout import check_dropout
+from hpctrain.train.loss_count import check_loss_count
 from hpctrain.train.metrics import (SUMMARY_NAME, MetricsCSV, TensorBoardWriter,
                                     gather_peak_rss_mb, peak_rss_mb, write_summary)
 from hpctrain.train.nonfinite import NonFiniteError, NonFiniteGuard
@@ -119,10 +120,15 @@ class Trainer:
         self.plan = cfg.plan(world.size)
         # dropout whose masks the plan cannot make one process's: refused (every rank alike,
         # before any collective), else said once
-        note = check_dropout(self.plan, self.built.model, self.built.dataset,
-                             cfg.train.per_rank_dropout)
-        if note and world.is_main:
-            print(note, flush=True)
+        notes = [check_dropout(self.plan, self.built.model, self.built.dataset,
+                               cfg.train.per_rank_dropout)]
+        # what the loss averages over (train.loss_weight = tokens), measured when not declared
+        self.weighting = LossWeighting(cfg.train.loss_weight, cfg.train.ignore_index)
+        notes.append(check_loss_count(self.weighting, self.built.model, self.built.dataset,
+                                      self.built.loss_fn))
+        for note in notes:
+            if note and world.is_main:
+                print(note, flush=True)
         self.out_dir = run_dir(cfg, self.plan.name, world.mpi_comm)
         self.watchdog = start_watchdog(cfg.runtime.collective_timeout_s, self.out_dir,
                                        world.mpi_comm)
@@ -160,7 +166,6 @@ class Trainer:
                   f"being split: deferred init needs a model described layer by layer (the "
                   f"built-in gpt and mlp, or a factory returning a models.layers.LayerStack); "
                   f"a factory's nn.Module exists whole once it is returned", flush=True)
-        self.weighting = LossWeighting(t.loss_weight, t.ignore_index)
         self.loss_fn = self.weighting.wrap(self.built.loss_fn)
         # what the loss averages over in a target (its own count_units, when it declares one)
         self.count = self.weighting.counter(self.built.loss_fn)

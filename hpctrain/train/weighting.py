@@ -40,11 +40,17 @@ class LossWeighting:
     def __init__(self, mode: str = "samples", ignore_index: int = -100):
         self.mode, self.ignore_index = mode, ignore_index
         self.tokens = mode == "tokens"
+        self._declared: list = []  # (loss_fn, count) found by measuring (train/loss_count.py)
+
+    def declare(self, loss_fn, count) -> None:
+        """Count ``loss_fn``'s units with ``count`` (as its own count_units would)."""
+        self._declared.append((loss_fn, count))
 
     def counter(self, loss_fn):
         """target -> the units ``loss_fn`` averages over: samples; tokens: the loss's own
         ``count_units`` when it declares one, else ``count``."""
         own = getattr(loss_fn, "count_units", None)
+        own = next((c for f, c in self._declared if f is loss_fn), own)
         if not self.tokens or own is None:
             return self.count
         if not callable(own):

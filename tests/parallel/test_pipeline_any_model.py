@@ -35,6 +35,7 @@ NOT_A_CHAIN = "tests.fixtures.chain_models:not_a_chain_factory"
 DICT_OUT = "tests.fixtures.chain_models:dict_factory"
 SHIFTED = "tests.fixtures.hf_models:gpt2_shifted_factory"
 UNCOUNTED = "tests.fixtures.hf_models:gpt2_shifted_uncounted_factory"
+MISCOUNTED = "tests.fixtures.hf_models:gpt2_shifted_miscounted_factory"
 LLAMA_DROPOUT = "tests.fixtures.hf_models:llama_dropout_factory"
 TOKENS = {"loss_weight": "tokens"}
 
@@ -65,13 +66,13 @@ TWO = [
     _case("gpt2-zero3", GPT2, "zero3", ref=GPT2),
     _case("dict-output-pp2", DICT_OUT, "pipeline", "pp=2", ref=DICT_OUT),
     _case("shifted-zero3", SHIFTED, "zero3", ref="shifted", train=TOKENS),
-    _case("shifted-pp2", SHIFTED, "pipeline", "pp=2", ref="shifted", train=TOKENS),
+    _case("shifted-measured-pp2", UNCOUNTED, "pipeline", "pp=2", ref="shifted", train=TOKENS),
     _fit("masked-pp2", "masked", strategy="pipeline", mesh="pp=2"),
 ]
 # Not compared with one process: the control (HF-style labels counted as given) and
 # attention dropout, accepted per rank under the pipeline and said once under zero3.
 OTHERS = [
-    _case("uncounted-zero3", UNCOUNTED, "zero3", train=TOKENS),
+    _case("miscounted-zero3", MISCOUNTED, "zero3", train=TOKENS),
     _case("dropout-pp2-per-rank", LLAMA_DROPOUT, "pipeline", "pp=2",
           train={"per_rank_dropout": True, "steps": 2}),
     _case("dropout-zero3", LLAMA_DROPOUT, "zero3", train={"steps": 2}),
@@ -124,10 +125,14 @@ def test_trains_as_one_process(results, case):
 
 
 @pytest.mark.mpi
-def test_hf_style_labels_need_their_count(results):
-    """The control: a loss shifting its labels inside, without count_units, is weighted by
-    every label, which is not what it averages over (the declared count above is exact)."""
-    got, ref = results["uncounted-zero3"]["losses"], results["shifted"]["losses"]
+def test_hf_style_labels_are_counted_as_the_loss_counts(results):
+    """A loss shifting its labels inside (HF style) declares its count (shifted-zero3) or
+    has it measured on the first samples, said once (shifted-measured-pp2); both follow one
+    process above. The control: weighted by every label (declared so), which is not what
+    it averages over, it does not."""
+    assert results["shifted-measured-pp2"]["log"].count(
+        "the loss shifts its labels (Hugging Face style") == 1
+    got, ref = results["miscounted-zero3"]["losses"], results["shifted"]["losses"]
     assert not np.allclose(got, ref, rtol=1e-5, atol=0)
 
 
