@@ -21,11 +21,11 @@ is not this chain fails with an error instead of training a different model.
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
 import inspect
 from collections.abc import Mapping
+
+import torch
+from torch import nn
 
 from .layers import (LayerStack, PipeLayer, check_input, from_sequential, run_layer,
                      shared_parameters, split_input)

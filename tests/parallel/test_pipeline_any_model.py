@@ -3,10 +3,16 @@ to wte across stages) and Llama (rotary embeddings recomputed in each stage; hea
 untied), and a generic embeddings -> ModuleList -> norm -> head model, split by
 hpctrain.models.chain. 20 fp32 steps at pp=2 (balanced by parameter count; and through
 `python -m hpctrain train` at a named module split point), pp=2 x dp=2 with zero3/zero1, and
-zero3 of the same factory, all within rtol 1e-5 of one process. Four launches (1, 2 and 4
-ranks, then the command line at 2). Plus the split itself (exact logits, ties, split points
-by module name) and a model whose forward is not a chain (one error line, exit 2, before
-MPI).
+zero3 of the same factory, all within rtol 1e-5 of one process. In the same launches: a
+chain returning {"logits": ...} at pp=2; the plain GPT2LMHeadModel on pad-to-longest dict
+batches (input_ids + attention_mask) through Trainer.fit at pp=2 and pp=2 x dp=2 (NCCL's
+ordered issue order), validation included; Hugging Face style labels (shifted inside the
+loss) with tokens weighting, the count declared under zero3 and measured under pp=2, and the
+control counted as given; Llama's attention dropout accepted per rank at pp=2, said once
+under zero3, refused at tp=2. Four launches (1, 2 and 4 ranks, then the command line at 2).
+Plus the split itself (exact logits, with a padding mask too, ties, split points by module
+name, dict outputs, inputs the layers do not take) and a model whose forward is not a chain
+(one error line, exit 2, before MPI).
 """
 
 import json
@@ -81,7 +87,8 @@ OTHERS = [
 FOUR = [
     _case("gpt2-pp2-dp2-zero3", GPT2, "pipeline", "pp=2,dp=2", "zero3", ref=GPT2),
     _case("llama-pp2-dp2-zero1", LLAMA, "pipeline", "pp=2,dp=2", "zero1", ref=LLAMA),
-    _fit("masked-pp2-dp2", "masked", strategy="pipeline", mesh="pp=2,dp=2", dp_flavour="ddp"),
+    _fit("masked-pp2-dp2-ordered", "masked", strategy="pipeline", mesh="pp=2,dp=2",
+         dp_flavour="ddp", p2p="ordered"),
 ]
 # The command line itself, with stages starting at a named module: the worker's defaults.
 CLI = {"id": "gpt2-pp2-split-cli", "ref": GPT2, "args": [
@@ -219,3 +226,57 @@ def test_cli_refuses_a_model_that_is_not_a_chain():
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "SkipLM's forward is not the chain" in lines[0], proc.stderr
     assert "LayerStack" in lines[0] and "split_points" in lines[0]
+
+
+def _plain(kind, attention):
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM
+
+    model = hf_models.gpt2_model(attention=attention) if kind == "gpt2" else \
+        hf_models.llama_model(attention=attention)
+    plain = (GPT2LMHeadModel if kind == "gpt2" else LlamaForCausalLM)(model.config)
+    plain.load_state_dict(model.state_dict())
+    return plain
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_dict_inputs_with_a_padding_mask_split_exactly(kind, attention):
+    from hpctrain.models.layers import run_layer, split_input
+
+    plain = _plain(kind, attention)
+    mask = torch.ones(3, hf_models.SEQ_LEN, dtype=torch.long)
+    mask[1, 9:], mask[2, 4:] = 0, 0  # right padding, as a collator pads to the longest
+    x = {"input_ids": torch.randint(0, hf_models.VOCAB, (3, hf_models.SEQ_LEN)),
+         "attention_mask": mask}
+    stack = split_model(plain, x)  # checked against plain(**x) inside
+    h, side = split_input(stack.inputs, x)
+    with torch.no_grad():
+        for layer in stack.layers:
+            h = run_layer(layer, plain, h, side)
+        want = plain(**x)
+    assert type(h) is type(want) and torch.equal(h.logits, want.logits)
+    assert stack.inputs == ("input_ids", "attention_mask")
+
+
+def test_dict_outputs_are_kept_and_other_inputs_refused():
+    model, data, _ = chain_models.dict_factory()
+    x = torch.stack([data[0][0], data[1][0]])
+    stack = split_model(model, x)
+    h = x
+    with torch.no_grad():
+        for layer in stack.layers:
+            h = layer.forward(model, h)
+        assert type(h) is dict and torch.equal(h["logits"], model(x)["logits"])
+
+    class TwoOutputs(chain_models.ChainLM):
+        def forward(self, ids):
+            logits = super().forward(ids)
+            return {"logits": logits, "aux": logits.mean()}
+    with pytest.raises(TypeError, match=r"it returns a dict of \['aux', 'logits'\]"):
+        split_model(TwoOutputs(), x)
+    ids = {"input_ids": x, "token_type_ids": torch.zeros_like(x)}
+    with pytest.raises(TypeError, match=r"has keys \['input_ids', 'token_type_ids'\]; drop "
+                                        r"\['token_type_ids'\]"):
+        split_model(_plain("gpt2", "sdpa"), ids)
+    with pytest.raises(TypeError, match="passes one tensor through the model's layers"):
+        split_model(chain_models.generic_factory()[0], {"input_ids": x})
