@@ -64,6 +64,7 @@ class DropoutUse:
     exact: bool = False
 
 
+_MODULES = (Dropout, nn.modules.dropout._DropoutNd)
 # Functional dropout and the index/keyword of its probability (and of `training`, if any).
 _FUNCTIONAL = {
     F.dropout: (1, "p", 2), F.alpha_dropout: (1, "p", 2), F.feature_alpha_dropout: (1, "p", 2),
@@ -96,7 +97,7 @@ class _Calls(TorchFunctionMode):
             p = float(_arg(args, kwargs, spec[0], spec[1], 0.5 if spec[2] else 0.0) or 0.0)
             training = bool(_arg(args, kwargs, spec[2], "training", True))
             inside = self.modules[-1] if self.modules else ("", None)
-            if p > 0 and training and not isinstance(inside[1], (Dropout, nn.modules.dropout._DropoutNd)):
+            if p > 0 and training and not isinstance(inside[1], _MODULES):  # those: counted
                 name = getattr(func, "__name__", str(func))
                 self.found.append(DropoutUse(f"{inside[0] or 'the model'} ({name} at "
                                              f"{_caller()})", p))
@@ -138,7 +139,7 @@ def find_dropout(model: nn.Module, sample=None) -> list[DropoutUse]:
     buffers and the modes are restored). Pure: no communication."""
     found = _config_fields(model) + [
         DropoutUse(name, m.p, isinstance(m, Dropout)) for name, m in model.named_modules()
-        if isinstance(m, (Dropout, nn.modules.dropout._DropoutNd)) and m.p > 0]
+        if isinstance(m, _MODULES) and m.p > 0]
     if sample is None or any(t.is_meta for t in model.parameters()):
         return found
     calls = _Calls()
