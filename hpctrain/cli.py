@@ -397,6 +397,17 @@ def _prepare(args, launch):
     except ConfigError as exc:
         return _fail(rank, str(exc))
     plan = cfg.plan(size)
+    from hpctrain.train.dropout import check_dropout
+    from hpctrain.train.loss_count import check_loss_count
+    from hpctrain.train.weighting import LossWeighting
+
+    try:  # dropout a tensor or pipeline plan cannot give one process's masks; a loss whose
+        # count the tokens weighting cannot tell
+        check_dropout(plan, built.model, built.dataset, cfg.train.per_rank_dropout)
+        check_loss_count(LossWeighting(cfg.train.loss_weight, cfg.train.ignore_index),
+                         built.model, built.dataset, built.loss_fn)
+    except UsageError as exc:
+        return _fail(rank, str(exc))
     if plan.tensor:  # the split the plan asks of this model, and its loss
         from hpctrain.parallel.tensor import check as check_tensor
         from hpctrain.train.strategy import plan_options

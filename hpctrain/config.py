@@ -112,6 +112,9 @@ class TrainSection:
                           choices=LOSS_WEIGHTS)
     ignore_index: int = _f(-100, "loss_weight = tokens: the target value that marks padding "
                            "(as torch's cross_entropy and Hugging Face labels)")
+    per_rank_dropout: bool = _f(False, "tensor and pipeline plans: train a model with dropout "
+                                "> 0 whose masks are not one process's (torch's dropout in a "
+                                "split or piece-wise region); off: such a model is refused")
     nonfinite: str = _f("stop", f"a non-finite loss or gradient norm: stop (exit code "
                         f"{NONFINITE_EXIT_CODE}, no checkpoint from that state), skip (drop the "
                         f"step) or ignore", choices=NONFINITE_MODES)

@@ -5,9 +5,11 @@ nn.Sequential is such a chain by construction. Other models are recognised by st
 
 - Hugging Face GPT-2 (``transformer.wte/wpe/drop/h/ln_f`` + ``lm_head``) and Llama
   (``model.embed_tokens/layers/norm/rotary_emb`` + ``lm_head``): small adapters whose layer
-  forwards compute what the HF forward computes for ``input_ids -> logits`` (causal, no
-  padding mask): positions, the causal mask and Llama's rotary embeddings are recomputed in
-  every stage from the hidden state's shape, so only one tensor crosses a stage boundary.
+  forwards compute what the HF forward computes for ``input_ids`` (and ``attention_mask``)
+  ``-> logits``: positions, the causal mask (with the padding mask, through HF's own
+  ``create_causal_mask``) and Llama's rotary embeddings are recomputed in every stage from
+  the hidden state's shape and the stage's copy of the batch, so only one tensor crosses a
+  stage boundary.
 - Anything of the form ``modules before -> one ModuleList of blocks -> modules after``,
   each module called with one tensor in registration order (the generic chain).
 
@@ -19,10 +21,14 @@ is not this chain fails with an error instead of training a different model.
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
-from .layers import LayerStack, PipeLayer, from_sequential, shared_parameters
+from .layers import (LayerStack, PipeLayer, check_input, from_sequential, run_layer,
+                     shared_parameters, split_input)
 
 __all__ = ["split_model", "check_chain"]
 
@@ -30,6 +36,8 @@ _EXPECTED = ("an nn.Sequential, a Hugging Face GPT-2 or Llama causal LM, or a ch
              "'embeddings -> one nn.ModuleList of blocks -> norm -> head' whose modules are "
              "registered in the order the forward calls them, each taking and returning one "
              "tensor")
+# The inputs of a Hugging Face causal LM batch the GPT-2 and Llama stages take.
+_HF_INPUTS = ("input_ids", "attention_mask")
 _FIX = ("fix: express the model as an nn.Sequential of its layers, or describe it as a "
         "models.layers.LayerStack (one PipeLayer per layer, whose forward says how the layer "
         "is called); pipeline.split_points then chooses where stages start")
@@ -46,7 +54,8 @@ def split_model(model: nn.Module, sample: torch.Tensor | None = None) -> LayerSt
                         f"{_FIX}")
     for recognises, layers_of in _ARCHITECTURES:
         if recognises(model):
-            stack = LayerStack(layers_of(model), tied=shared_parameters(model))
+            inputs = () if layers_of is _generic_layers else _HF_INPUTS
+            stack = LayerStack(layers_of(model), tied=shared_parameters(model), inputs=inputs)
             break
     else:
         raise TypeError(f"cannot split {type(model).__name__} into pipeline layers: expected "
@@ -64,18 +73,34 @@ def split_model(model: nn.Module, sample: torch.Tensor | None = None) -> LayerSt
     return stack
 
 
+def _output_key(output):
+    """The key of the tensor the last layer gives in a dict output: a Hugging Face
+    ModelOutput's logits (the loss reads them; a cache is left out), or a plain dict's one
+    tensor (such as {"logits": ...}); None for a tensor or anything else."""
+    if not isinstance(output, Mapping):
+        return None
+    if isinstance(getattr(output, "logits", None), torch.Tensor):
+        return "logits"
+    keys = [k for k, v in output.items() if v is not None]
+    if len(keys) == 1 and isinstance(output[keys[0]], torch.Tensor):
+        return keys[0]
+    return None
+
+
 def _return_like(stack: LayerStack, output) -> None:
-    """Make the last layer return what the model's forward returns when that is a Hugging
-    Face output (``.logits`` in a ModelOutput): the pipeline's last stage then hands the loss
-    the same type every other plan does, so one ``loss_fn(output, target)`` serves all."""
-    if isinstance(output, torch.Tensor) or not hasattr(output, "logits"):
+    """Make the last layer return what the model's forward returns when that is a dict of
+    one tensor (``logits`` in a ModelOutput, or a plain dict): the pipeline's last stage then
+    hands the loss the same type every other plan does, so one ``loss_fn(output, target)``
+    serves all."""
+    key = _output_key(output)
+    if key is None:
         return
     kind, last = type(output), stack.layers[-1]
 
-    def forward(root, x):
-        return kind(logits=last.forward(root, x))
+    def forward(root, x, **side):
+        return kind(**{key: run_layer(last, root, x, side)})
 
-    stack.layers[-1] = PipeLayer(last.name, last.build, forward)
+    stack.layers[-1] = PipeLayer(last.name, last.build, forward, last.side)
 
 
 # -- Hugging Face GPT-2 --
@@ -97,16 +122,17 @@ def _gpt2_layers(model: nn.Module) -> list:
 
     def block(i):
         # Stage roots hold the layers in ModuleDicts: look blocks up by path, not index.
-        def forward(root, h):
+        def forward(root, h, attention_mask=None):
             layer = root.get_submodule(f"transformer.h.{i}")
-            out = layer(h, attention_mask=mask(h, layer), use_cache=False,
+            out = layer(h, attention_mask=mask(h, layer, attention_mask), use_cache=False,
                         position_ids=_positions(h))
             return _first(out)
         return forward
 
     embed_paths = ("transformer.wte", "transformer.wpe", "transformer.drop")
     return ([_layer(model, "transformer.wte", embed_paths, embed)]
-            + [_layer(model, f"transformer.h.{i}", [f"transformer.h.{i}"], block(i))
+            + [_layer(model, f"transformer.h.{i}", [f"transformer.h.{i}"], block(i),
+                      side=("attention_mask",))
                for i in range(len(model.transformer.h))]
             + [_call_layer(model, "transformer.ln_f"), _call_layer(model, "lm_head")])
 
@@ -128,39 +154,58 @@ def _llama_layers(model: nn.Module) -> list:
     n_used = getattr(model.config, "num_hidden_layers", len(model.model.layers))
 
     def block(i):
-        def forward(root, h):
+        def forward(root, h, attention_mask=None):
             layer = root.get_submodule(f"model.layers.{i}")
             pos = _positions(h)
-            out = layer(h, attention_mask=mask(h, layer), position_ids=pos,
+            out = layer(h, attention_mask=mask(h, layer, attention_mask), position_ids=pos,
                         position_embeddings=rotary(h, position_ids=pos),
                         past_key_values=None, use_cache=False)
             return _first(out)
         return forward
 
     return ([_call_layer(model, "model.embed_tokens")]
-            + [_layer(model, f"model.layers.{i}", [f"model.layers.{i}"], block(i))
+            + [_layer(model, f"model.layers.{i}", [f"model.layers.{i}"], block(i),
+                      side=("attention_mask",))
                for i in range(min(n_used, len(model.model.layers)))]
             + [_call_layer(model, "model.norm"), _call_layer(model, "lm_head")])
 
 
 def _causal_mask(config):
-    """mask(hidden, module) -> the attention mask HF's create_causal_mask gives for no
-    padding: None under sdpa (the kernel's is_causal), else an additive float mask."""
+    """mask(hidden, module, padding mask or None) -> the attention mask HF's
+    create_causal_mask gives: for no padding mask, None under sdpa (the kernel's is_causal),
+    else an additive float mask; with a (batch, length) padding mask, HF's own."""
     impl = getattr(config, "_attn_implementation", None) or "eager"
-    if impl == "sdpa":
-        return lambda h, module: None
-    if impl != "eager":
+    if impl not in ("sdpa", "eager"):
         raise TypeError(f"pipeline splitting of {type(config).__name__} models supports "
                         f"attn_implementation 'eager' and 'sdpa', got {impl!r}; fix: build the "
                         f"model with attn_implementation='sdpa'")
 
-    def mask(h, module):
+    def mask(h, module, padding=None):
+        if padding is not None:
+            return _hf_causal_mask(config, h, padding)
+        if impl == "sdpa":
+            return None
         dtype = next(module.parameters()).dtype  # HF: the embeddings' dtype
         n = h.shape[1]
         blocked = torch.ones(n, n, dtype=torch.bool, device=h.device).triu(1)
         zeros = torch.zeros(n, n, dtype=dtype, device=h.device)
         return zeros.masked_fill(blocked, torch.finfo(dtype).min)[None, None]
     return mask
+
+
+def _hf_causal_mask(config, h: torch.Tensor, padding: torch.Tensor):
+    """What the HF model's forward builds from a 2-D padding mask (its own function, so the
+    stage computes what the whole model computes; transformers is there: the model is one)."""
+    from transformers.masking_utils import create_causal_mask
+
+    params = inspect.signature(create_causal_mask).parameters
+    pos = _positions(h)
+    kwargs = dict(config=config, inputs_embeds=h, attention_mask=padding.view(h.shape[0], -1),
+                  position_ids=pos)
+    kwargs["cache" if "cache" in params else "past_key_values"] = None
+    if "cache_position" in params:  # older transformers
+        kwargs["cache_position"] = pos[0]
+    return create_causal_mask(**kwargs)
 
 
 def _positions(h: torch.Tensor) -> torch.Tensor:
@@ -222,10 +267,10 @@ _ARCHITECTURES = ((_is_gpt2, _gpt2_layers), (_is_llama, _llama_layers),
 
 # -- layers and checks --
 
-def _layer(model: nn.Module, name: str, paths, forward) -> PipeLayer:
+def _layer(model: nn.Module, name: str, paths, forward, side=()) -> PipeLayer:
     """A layer holding the model's modules at ``paths`` (already built: build returns them)."""
     modules = {p: model.get_submodule(p) for p in paths}
-    return PipeLayer(name, lambda: dict(modules), forward)
+    return PipeLayer(name, lambda: dict(modules), forward, tuple(side))
 
 
 def _call_layer(model: nn.Module, path: str) -> PipeLayer:
@@ -249,19 +294,22 @@ def _check_covers(model: nn.Module, stack: LayerStack) -> None:
                         f"{_EXPECTED}. {_FIX}")
 
 
-def check_chain(model: nn.Module, stack: LayerStack, sample: torch.Tensor):
-    """Raise TypeError unless running the stack's layers in order on ``sample`` gives what
-    ``model(sample)`` gives (its ``.logits`` for a Hugging Face output), in eval mode.
-    Returns what ``model(sample)`` returned."""
+def check_chain(model: nn.Module, stack: LayerStack, sample):
+    """Raise TypeError unless running the stack's layers in order on ``sample`` (a tensor,
+    or a dict of the stack's inputs) gives what ``model(sample)`` (``model(**sample)``)
+    gives (the tensor of a dict output: a ModelOutput's ``.logits``), in eval mode.
+    Returns what the model returned."""
+    check_input(stack, sample)
     modes = {m: m.training for m in model.modules()}
     try:
         model.eval()
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            output = model(sample)
-            want = getattr(output, "logits", output)
-            x = sample
+            output = model(**sample) if isinstance(sample, Mapping) else model(sample)
+            key = _output_key(output)
+            want = output if key is None else output[key]
+            x, side = split_input(stack.inputs, sample)
             for layer in stack.layers:
-                x = layer.forward(model, x)
+                x = run_layer(layer, model, x, side)
     except Exception as exc:  # any failure of the chain says the forward is not one
         raise TypeError(f"{type(model).__name__}: running its layers "
                         f"({', '.join(l.name for l in stack.layers)}) one after the other "
@@ -272,8 +320,13 @@ def check_chain(model: nn.Module, stack: LayerStack, sample: torch.Tensor):
             m.training = training
     if not isinstance(want, torch.Tensor) or want.shape != x.shape \
             or not torch.allclose(x, want, rtol=1e-5, atol=1e-6 * float(want.abs().max())):
-        diff = (float((x - want).abs().max()) if isinstance(want, torch.Tensor)
-                and want.shape == x.shape else "a different shape")
+        if not isinstance(want, torch.Tensor):
+            diff = (f"it returns a {type(output).__name__}"
+                    + (f" of {sorted(output)}" if isinstance(output, Mapping) else "")
+                    + ", the last layer one tensor (a dict of one tensor is kept)")
+        else:
+            diff = (float((x - want).abs().max()) if want.shape == x.shape
+                    else "a different shape")
         raise TypeError(f"{type(model).__name__}'s forward is not the chain of its layers "
                         f"({', '.join(l.name for l in stack.layers)}): running them one after "
                         f"the other differs from model(x) (by {diff}); expected {_EXPECTED}. "

@@ -9,6 +9,7 @@ them checkpoints, are the same under every strategy.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 __all__ = ["PipeLayer", "LayerStack", "StackModel", "layer_seed", "seeded", "mount",
-           "from_sequential", "shared_parameters"]
+           "from_sequential", "shared_parameters", "split_input", "check_input", "run_layer"]
 
 _MASK63 = (1 << 63) - 1
 
@@ -36,11 +37,14 @@ def seeded(seed: int, index: int, build: Callable[[], object]):
 @dataclass(frozen=True)
 class PipeLayer:
     """One layer: ``build()`` -> {path in the whole model: module}; ``forward(root, x)`` runs
-    it, finding its modules under ``root`` by those paths."""
+    it, finding its modules under ``root`` by those paths. ``side``: inputs of the batch
+    besides the tensor that flows through the layers (e.g. ``attention_mask``) that forward
+    takes as keywords; every stage reads them from its own copy of the micro-batch."""
 
     name: str
     build: Callable[[], dict]
     forward: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    side: tuple = ()
 
 
 @dataclass
@@ -56,6 +60,10 @@ class LayerStack:
     # Tensor-parallel plan of the whole model (module-name patterns -> styles; see
     # parallel/tensor), when it has one.
     tp_plan: dict = field(default_factory=dict)
+    # The keys of a dict input the layers take (a Hugging Face batch): the first is the
+    # tensor given to the first layer, the others are side inputs (PipeLayer.side). Empty:
+    # the input is one tensor.
+    inputs: tuple = ()
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -102,12 +110,49 @@ class StackModel(nn.Module):
         root = stack.build(range(len(stack)))
         for name, child in root.named_children():
             self.add_module(name, child)
-        self._forwards = tuple(layer.forward for layer in stack.layers)
+        self._layers, self._inputs = tuple(stack.layers), stack.inputs
 
-    def forward(self, x):
-        for forward in self._forwards:
-            x = forward(self, x)
+    def forward(self, x=None, **inputs):
+        if inputs:  # model(**batch): a dict input (LayerStack.inputs)
+            x = inputs
+        x, side = split_input(self._inputs, x)
+        for layer in self._layers:
+            x = run_layer(layer, self, x, side)
         return x
+
+
+def check_input(stack: LayerStack, x) -> None:
+    """TypeError unless ``x`` (a batch's input) is what the stack's layers take: one tensor,
+    or a dict whose keys are among ``stack.inputs`` and hold its first one."""
+    if not isinstance(x, Mapping):
+        return
+    keys = sorted(x)
+    if not stack.inputs:
+        raise TypeError(f"the pipeline passes one tensor through the model's layers, but the "
+                        f"input is a dict with keys {keys}; give the model one tensor (e.g. "
+                        f"input_ids), or a Hugging Face GPT-2/Llama, whose stages also take "
+                        f"attention_mask")
+    unknown = [k for k in keys if k not in stack.inputs]
+    if unknown or stack.inputs[0] not in x:
+        raise TypeError(f"the pipeline's layers take the inputs {list(stack.inputs)} (the "
+                        f"first required), but the input dict has keys {keys}; drop "
+                        f"{unknown or keys} from the batch (positions and the causal mask are "
+                        f"recomputed in every stage)")
+
+
+def split_input(stack_inputs: tuple, x):
+    """(the tensor the first layer takes, {side input name: tensor}) of a batch's input."""
+    if not isinstance(x, Mapping):
+        return x, {}
+    main = stack_inputs[0]
+    return x[main], {k: v for k, v in x.items() if k != main}
+
+
+def run_layer(layer: PipeLayer, root: nn.Module, x, side: dict):
+    """``layer.forward(root, x)`` with the side inputs it declares."""
+    if not layer.side:
+        return layer.forward(root, x)
+    return layer.forward(root, x, **{k: side[k] for k in layer.side if k in side})
 
 
 def _has(root: nn.Module, path: str) -> bool:

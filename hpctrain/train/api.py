@@ -52,6 +52,7 @@ _KEYS = {
     "grad_accum": "train.grad_accum", "global_batch_size": "train.global_batch_size",
     "max_grad_norm": "train.max_grad_norm", "out_dir": "train.out_dir",
     "loss_weight": "train.loss_weight", "ignore_index": "train.ignore_index",
+    "per_rank_dropout": "train.per_rank_dropout",
     "progress": "train.progress", "log_every": "train.log_every",
     "activation_checkpointing": "train.activation_checkpointing",
     "mesh": "runtime.mesh", "dp_flavour": "runtime.dp_flavour",

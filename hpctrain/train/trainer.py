@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Mapping
 
 import torch
 
@@ -21,6 +22,8 @@ from hpctrain.data.structure import to_device
 from hpctrain.models.layers import LayerStack
 from hpctrain.models.registry import BuiltModel, build, build_deferred, build_layers
 from hpctrain.parallel.orchestrator import defer_init, has_deferred, parallelize
+from hpctrain.train.dropout import check_dropout
+from hpctrain.train.loss_count import check_loss_count
 from hpctrain.train.metrics import (SUMMARY_NAME, MetricsCSV, TensorBoardWriter,
                                     gather_peak_rss_mb, peak_rss_mb, write_summary)
 from hpctrain.train.nonfinite import NonFiniteError, NonFiniteGuard
@@ -152,6 +155,17 @@ class Trainer:
             TIMELINE.enable(cfg.train.trace_dir, world.rank)
         cfg.validate(world.size)
         self.plan = cfg.plan(world.size)
+        # dropout whose masks the plan cannot make one process's: refused (every rank alike,
+        # before any collective), else said once
+        notes = [check_dropout(self.plan, self.built.model, self.built.dataset,
+                               cfg.train.per_rank_dropout)]
+        # what the loss averages over (train.loss_weight = tokens), measured when not declared
+        self.weighting = LossWeighting(cfg.train.loss_weight, cfg.train.ignore_index)
+        notes.append(check_loss_count(self.weighting, self.built.model, self.built.dataset,
+                                      self.built.loss_fn))
+        for note in notes:
+            if note and world.is_main:
+                print(note, flush=True)
         self.out_dir = run_dir(cfg, self.plan.name, world.mpi_comm)
         self.watchdog = start_watchdog(cfg.runtime.collective_timeout_s, self.out_dir,
                                        world.mpi_comm)
@@ -168,14 +182,15 @@ class Trainer:
             n = t.global_batch_size // (t.grad_accum * cfg.pipeline.microbatches)
             x, y = collate(self.built.dataset, range(max(1, n)))
             po = options["pipeline"]
-            po.sample, po.sample_target = x.to(world.device), y.to(world.device)
+            po.sample, po.sample_target = to_device(x, world.device), to_device(y, world.device)
             po.loss_fn = self.built.loss_fn
         elif self.plan.pipeline and not isinstance(self.built.model, LayerStack):
             # A user's module (Trainer.fit): its split is checked against its forward on
             # two samples, and a Hugging Face output type is kept (models/chain.py).
             model, data = self.built.model, self.built.dataset
             device = next(model.parameters()).device
-            options["pipeline"].sample = collate(data, range(min(2, len(data))))[0].to(device)
+            options["pipeline"].sample = to_device(collate(data, range(min(2, len(data))))[0],
+                                                   device)
         if has_deferred(self.built.model) and world.is_main:
             print("hpctrain: deferred init: the model was built on the meta device; each rank "
                   "fills only the part it keeps, layer by layer", flush=True)
@@ -191,10 +206,11 @@ class Trainer:
                   f"multiple of train.grad_accum = {t.grad_accum}: each step runs micro-batches "
                   f"of {_sizes_text(sizes)} samples, each weighted by its share of the batch "
                   f"(the same step as one batch of {t.global_batch_size})", flush=True)
-        self.weighting = LossWeighting(t.loss_weight, t.ignore_index)
         self.loss_fn = self.weighting.wrap(self.built.loss_fn)
+        # what the loss averages over in a target (its own count_units, when it declares one)
+        self.count = self.weighting.counter(self.built.loss_fn)
         if self.plan.pipeline and self.weighting.tokens:  # its pieces count by tokens too
-            options["pipeline"].unit_count = self.weighting.count
+            options["pipeline"].unit_count = self.count
         self._check_inputs()
         self.par = parallelize(self.plan, self.built.model, make_optimizer_factory(t), world,
                                options, activation_checkpointing=t.activation_checkpointing)
@@ -208,10 +224,14 @@ class Trainer:
 
     def _check_inputs(self) -> None:
         """Structured inputs (a dict passed as keywords, a tuple as positions) run where the
-        model is called whole; the pipeline and the domain split cut one input tensor."""
+        model is called whole; the domain split cuts one input tensor, the pipeline one
+        tensor or a dict its layers take (input_ids and attention_mask of a Hugging Face
+        model: the split checks the keys)."""
         if not (self.plan.pipeline or self.plan.domain):
             return
         x = self.built.dataset[0][0]
+        if self.plan.pipeline and isinstance(x, Mapping):
+            return
         if not torch.is_tensor(x) and not isinstance(x, (int, float, list)):
             kind = "pipeline" if self.plan.pipeline else "domain"
             raise UsageError(f"plan {self.plan.name!r}: the {kind} split passes one input "
@@ -293,7 +313,7 @@ class Trainer:
         loaded = self.reader.micro_batches(step)  # (x, y, samples); empty parts left out
         if self.weighting.tokens:
             loaded = list(loaded)
-            counts = [self.weighting.count(y) for _, y, _ in loaded]
+            counts = [self.count(y) for _, y, _ in loaded]
             weights = self.weighting.weights(counts, self._global_count(sum(counts)))
         for i, (x, y, n) in enumerate(loaded):
             weight = weights[i] if self.weighting.tokens else n / size
@@ -432,7 +452,7 @@ class Trainer:
         rank, ranks = self.par.data_shard(self.world)
         model, device = self.par.model, self.world.device
         source = eval_source(dataset, batch_size)
-        loss_fn, count = self.weighting.wrap(loss_fn), self.weighting.count
+        loss_fn, count = self.weighting.wrap(loss_fn), self.weighting.counter(loss_fn)
         was_training = model.training
         model.eval()
         total = units = 0.0

@@ -58,6 +58,27 @@ def test_tokens_weighting_counts_what_the_loss_averages():
     assert tokens.weights([2, 0, 6], 8.0) == [0.25, 0.0, 0.75]
 
 
+def test_a_loss_declares_what_it_counts():
+    """Hugging Face style labels (the inputs, shifted inside the loss) count from the second
+    label of each row: the loss says so (count_units), and the weights follow it."""
+    from hpctrain.train.weighting import shifted_count
+
+    y = torch.tensor([[5, 6, 7, -100], [8, 9, -100, -100]])
+    tokens = LossWeighting("tokens", -100)
+
+    def shifted(out, t):
+        return torch.nn.functional.cross_entropy(out[:, :-1].reshape(-1, out.shape[-1]),
+                                                 t[:, 1:].reshape(-1))
+    assert tokens.counter(shifted)(y) == 5  # every valid label: not what it averages
+    shifted.count_units = shifted_count()
+    assert tokens.counter(shifted)(y) == 3 and tokens.counter(shifted)({"labels": y}) == 3
+    assert tokens.wrap(shifted).count_units(y[1:]) == 1
+    assert LossWeighting("samples").counter(shifted)(y) == 2  # samples: rows, as before
+    shifted.count_units = 3
+    with pytest.raises(TypeError, match="count_units is a int"):
+        tokens.counter(shifted)
+
+
 def test_worker_processes_read_dict_batches_and_empty_parts_keep_the_keys():
     from torch.utils.data import DataLoader
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
 
+from hpctrain.data.structure import leaves
+from hpctrain.models.layers import run_layer, split_input
 from hpctrain.models.recompute import checkpoint_without_stat_updates
 from hpctrain.parallel.pipeline import p2p_plan
 from hpctrain.parallel.pipeline.p2p import StageLinks
@@ -21,12 +24,16 @@ class Engine:
 
     ``chunks[c]`` is the list of PipeLayers of local chunk c; their modules live under
     ``root``. ``trace`` (when a list) receives (op, mb, chunk, start, end) of every compute,
-    which the bench turns into measured bubble fractions.
+    which the bench turns into measured bubble fractions. ``inputs``: the keys of a dict
+    input (LayerStack.inputs): the first flows through the layers, the others are side
+    inputs each stage reads from its own copy of the micro-batch.
     """
 
     def __init__(self, root, chunks, links: StageLinks, rank: int, p: int,
-                 activation_checkpointing: bool = False):
+                 activation_checkpointing: bool = False, inputs: tuple = ()):
         self.root = root
+        self.inputs = inputs
+        self._shapes = None  # the input shapes the links' agreed shapes belong to
         self.chunks = chunks
         self.links = links
         self.rank, self.p = rank, p
@@ -41,15 +48,26 @@ class Engine:
         self.after_action = None
         self._plan = None
 
-    def _forward_chunk(self, c: int, x):
+    def _forward_chunk(self, c: int, x, side: dict):
         for layer in self.chunks[c]:
             if self.recompute:
                 # The recompute runs only this layer: freezing the stage's BatchNorm
                 # statistics freezes this layer's.
-                x = checkpoint_without_stat_updates(self.root, layer.forward, self.root, x)
+                fn = functools.partial(run_layer, layer)
+                x = checkpoint_without_stat_updates(self.root, fn, self.root, x, side)
             else:
-                x = layer.forward(self.root, x)
+                x = run_layer(layer, self.root, x, side)
         return x
+
+    def _agree_shapes(self, micro: list) -> None:
+        """Forget the links' agreed shapes when this run's inputs have other shapes than the
+        last run's (batches padded to their longest sample): the stages, which all read the
+        same micro-batches, then agree the new shapes by a header again. Fixed shapes cost
+        nothing more."""
+        shapes = [tuple(tuple(t.shape) for t in leaves(x)) for x, _, _ in micro]
+        if shapes != self._shapes:
+            self._shapes = shapes
+            self.links.meta.clear()
 
     def _steps(self, actions: list[Action]):
         """The p2p plan of ``actions`` (computed once per schedule)."""
@@ -65,6 +83,7 @@ class Engine:
         inbox: dict = {}  # Msg -> received tensor, until its action runs
         outbox: dict = {} # Msg -> tensor to send, until its group is posted
         losses = []       # (loss, weight) of each micro-batch, read once at the end
+        self._agree_shapes(micro)
         for i, st in enumerate(self._steps(actions)):
             a, g = st.action, st.stage
             if st.pre_sends or st.pre_recvs:
@@ -75,12 +94,13 @@ class Engine:
                 self.before_action(i, a)
             if a.op == "F":
                 x, y, w = micro[a.mb]
+                x, side = split_input(self.inputs, x)
                 inp = x if st.recv is None else inbox.pop(st.recv)
                 if g > 0 and inp.is_floating_point():
                     inp.requires_grad_(True)
                 t0 = time.perf_counter()
                 with precision.autocast():
-                    out = self._forward_chunk(a.chunk, inp)
+                    out = self._forward_chunk(a.chunk, inp, side)
                     if g == self.S - 1:
                         loss = loss_fn(out, y)
                 if g == self.S - 1:
@@ -124,6 +144,7 @@ class Engine:
         inbox: dict = {}
         outbox: dict = {}
         losses = []
+        self._agree_shapes(micro)
         with torch.no_grad():
             for st in self._steps(actions):
                 a, g = st.action, st.stage
@@ -131,11 +152,12 @@ class Engine:
                     inbox.update(self.links.post([(m, outbox.pop(m)) for m in st.pre_sends],
                                                  st.pre_recvs))
                 x, y, w = micro[a.mb]
+                x, side = split_input(self.inputs, x)
                 inp = x if st.recv is None else inbox.pop(st.recv)
                 with precision.autocast():
                     out = inp
                     for layer in self.chunks[a.chunk]:  # no recompute: nothing is kept
-                        out = layer.forward(self.root, out)
+                        out = run_layer(layer, self.root, out, side)
                     if g == self.S - 1:
                         losses.append((loss_fn(out, y).detach(), w))
                     else:

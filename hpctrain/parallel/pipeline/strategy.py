@@ -10,9 +10,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hpctrain.data.structure import map_tensors, rows, take_rows
 from hpctrain.errors import UsageError
 from hpctrain.models.chain import split_model
-from hpctrain.models.layers import LayerStack
+from hpctrain.models.layers import LayerStack, check_input, run_layer, split_input
 from hpctrain.parallel.pipeline import plan, schedule as sched
 from hpctrain.parallel.pipeline.engine import Engine
 from hpctrain.parallel.pipeline import p2p_plan
@@ -180,13 +181,13 @@ class PipelineExecutor:
             self._bind(dp_part)
         m, local = self.opts.microbatches, 0.0
         for (x, y, weight), last in _with_last(micro_batches):
-            n = x.shape[0]
+            n = rows(x)
             if n % m:
                 raise ValueError(f"pipeline: a micro-batch of {n} samples does not split into "
                                  f"pipeline.microbatches = {m} equal parts; make "
                                  f"global_batch_size divisible by dp x grad_accum x {m}")
             self._piece = n // m  # evaluation cuts its batches to this (one shape per link)
-            xs, ys = x.split(n // m), y.split(n // m)
+            xs, ys = _pieces(x, n // m), _pieces(y, n // m)
             micro = [(a, b, weight * share) for a, b, share in zip(xs, ys, self._shares(ys, y))]
             dp_part.set_final(last)  # only the step's last run reduces
             local += self.engine.run(self.actions, micro, loss_fn, precision)
@@ -196,8 +197,8 @@ class PipelineExecutor:
         """Each piece's share of its micro-batch's loss units (rows, or valid tokens)."""
         count = self.opts.unit_count
         if count is None:
-            n = whole.shape[0]
-            return [p.shape[0] / n for p in pieces]
+            n = rows(whole)
+            return [rows(p) / n for p in pieces]
         total = count(whole)
         return [count(p) / total if total else 0.0 for p in pieces]
 
@@ -214,20 +215,23 @@ class PipelineExecutor:
         local = 0.0
 
         def real_rows(out, y):  # a padded piece's loss: its real rows only
-            return loss_fn(_first_rows(out, y.shape[0]), y)
+            return loss_fn(_first_rows(out, rows(y)), y)
+
+        def pad(t, k):  # k more rows: copies of the first
+            return torch.cat([t, t[:1].expand(k, *t.shape[1:])])
 
         try:
             for x, y, weight in micro_batches:
-                n = x.shape[0]
+                n = rows(x)
                 if n == 0:  # every stage of this pipeline has the same (empty) part
                     continue
                 size = self._piece or -(-n // self.opts.microbatches)
-                xs, ys = x.split(size), y.split(size)
+                xs, ys = _pieces(x, size), _pieces(y, size)
                 pieces = []
                 for xa, ya, share in zip(xs, ys, self._shares(ys, y)):
-                    k = xa.shape[0]
+                    k = rows(xa)
                     if k < size:
-                        xa = torch.cat([xa, xa[:1].expand(size - k, *xa.shape[1:])])
+                        xa = map_tensors(lambda t: pad(t, size - k), xa)
                     pieces.append((xa, ya, weight * share))
                 actions = sched.forward_only(p, len(pieces), v, rank)
                 local += self.engine.forward(actions, pieces, real_rows, precision)
@@ -313,6 +317,12 @@ class PipelineExecutor:
         return {k: out[k] for k in whole}
 
 
+def _pieces(b, size: int) -> list:
+    """A batch (a tensor or a dict/tuple of them) cut into pieces of ``size`` rows."""
+    n = rows(b)
+    return [take_rows(b, slice(i, i + size)) for i in range(0, n, size)]
+
+
 def _first_rows(out, k: int):
     """The first ``k`` rows of a stage's output: a tensor, or the tensors in a Hugging Face
     ModelOutput / dict / tuple (the loss sees the type the model returns)."""
@@ -376,6 +386,7 @@ def _layer_costs(stack, opts: PipelineOptions, pp, dp):
         raise ValueError("pipeline.balance = 'measured' needs a sample micro-batch")
     costs = torch.zeros(1, len(stack), dtype=torch.float64, device=pp.device)
     x, target, loss_fn = opts.sample, opts.sample_target, opts.loss_fn
+    x, side = split_input(stack.inputs, x)
     with_loss = loss_fn is not None and target is not None
     for i, layer in enumerate(stack.layers):
         root = stack.build([i]).to(x.device)
@@ -385,11 +396,11 @@ def _layer_costs(stack, opts: PipelineOptions, pp, dp):
         for _ in range(3):
             inp = x.detach().requires_grad_(x.is_floating_point())
             t0 = time.perf_counter()
-            out = layer.forward(root, inp)
+            out = run_layer(layer, root, inp, side)
             if with_loss and i == len(stack) - 1:
                 loss_fn(out, target).backward()
             else:
-                out.float().sum().backward()
+                _first_tensor(out).float().sum().backward()
             times.append(time.perf_counter() - t0)
         costs[0, i] = sorted(times)[1]
         x = out.detach()
@@ -405,13 +416,24 @@ def _layer_costs(stack, opts: PipelineOptions, pp, dp):
     return costs.tolist()
 
 
+def _first_tensor(out):
+    """The tensor of a layer's output (a dict of one tensor: the last layer's, kept)."""
+    return out if isinstance(out, torch.Tensor) else next(iter(out.values()))
+
+
 def _as_stack(model, sample=None) -> LayerStack:
     """A LayerStack as given; a module split into its chain of layers (ties declared),
-    checked against its forward on ``sample`` when given."""
+    checked against its forward on ``sample`` when given. TypeError for a sample input the
+    layers do not take (a dict with keys they do not know)."""
     if isinstance(model, LayerStack):
+        if sample is not None:
+            check_input(model, sample)
         return model
     if isinstance(model, nn.Module):
-        return split_model(model, sample)  # TypeError naming what is expected otherwise
+        stack = split_model(model, sample)  # TypeError naming what is expected otherwise
+        if sample is not None:
+            check_input(stack, sample)  # an nn.Sequential's: one tensor
+        return stack
     raise TypeError(f"the pipeline strategy takes an nn.Module whose forward is a chain of "
                     f"layers or a models.layers.LayerStack, got {type(model).__name__}")
 
@@ -497,7 +519,8 @@ def prepare(stack, world, options: PipelineOptions | None = None, flavour: str =
     broadcast_state(root, dp)
     tied_comm, tied_local = _tie_stages(stack, root, pp)
     links = StageLinks(pp, p * v, world.device, ordered)
-    engine = Engine(root, chunks, links, pp.rank, p, opts.activation_checkpointing)
+    engine = Engine(root, chunks, links, pp.rank, p, opts.activation_checkpointing,
+                    stack.inputs)
     executor = PipelineExecutor(stack, root, owned, engine, actions_all[pp.rank], pp, dp,
                                 tied_comm, tied_local, opts, flavour)
     if world.is_main:
