@@ -14,12 +14,6 @@ from hpctrain.runtime.comm import Communicator
 __all__ = ["to_domain"]
 
 _POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)
-# Layers that mix spatial points in ways a tile cannot reproduce locally.
-_UNSUPPORTED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
-                nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
-                nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
-                nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LayerNorm,
-                nn.Linear, nn.Flatten)
 
 
 def to_domain(module: nn.Module, grid: DomainGrid, batch_comm: Communicator,
@@ -28,7 +22,8 @@ def to_domain(module: nn.Module, grid: DomainGrid, batch_comm: Communicator,
 
     BatchNorm statistics are reduced over ``batch_comm`` (every rank holding part of the
     global batch: the domain group times dp); GroupNorm's over the domain group only.
-    Pointwise layers (activations, dropout, 1x1 convs) stay as they are.
+    Other layers stay as they are: what they compute (point by point, a global reduction,
+    or a Linear over a tile, refused) is decided op by op in the forward (functional.py).
     """
     if isinstance(module, nn.modules.conv._ConvNd) and not module.transposed:
         return DomainConv(module, grid, overlap)
@@ -40,10 +35,6 @@ def to_domain(module: nn.Module, grid: DomainGrid, batch_comm: Communicator,
         return DomainGroupNorm(module, grid.comm)
     if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
         return convert_sync_batchnorm(module, batch_comm)
-    if isinstance(module, _UNSUPPORTED):
-        raise ValueError(f"{type(module).__name__} is not supported by domain parallel (it mixes "
-                         "all spatial points or needs a transposed halo); build the model from "
-                         "Conv/Pool/nearest Upsample/BatchNorm/GroupNorm and pointwise layers")
     for name, child in module.named_children():
         new = to_domain(child, grid, batch_comm, overlap)
         if new is not child:

@@ -17,7 +17,7 @@ from hpctrain.parallel.domain.decomposition import WindowGeometry, rank_coords, 
 from hpctrain.parallel.domain.halo import (DomainGrid, halo_exchange, halo_finish, make_plan,
                                            start_halo)
 
-__all__ = ["DomainWindowOp", "DomainConv", "DomainPool", "DomainUpsample"]
+__all__ = ["DomainWindowOp", "DomainConv", "DomainConvFn", "DomainPool", "DomainUpsample"]
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _MAXPOOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
@@ -73,6 +73,7 @@ class DomainWindowOp(nn.Module):
         self.periodic = (bool(periodic),) * grid.ndim
         self.fill = fill
         self.overlap = overlap
+        self.plain = False  # set while called on a tensor every rank holds whole (functional.py)
         self._layouts: dict = {}
 
     def _layout(self, x: torch.Tensor) -> _Layout:
@@ -92,7 +93,20 @@ class DomainWindowOp(nn.Module):
         return (Ellipsis,) + tuple(slice(a - o, b - o) for (a, b), o in zip(w, origin)), \
             tuple(a for a, _ in w)
 
+    def _whole(self, x: torch.Tensor) -> torch.Tensor:
+        """The op on a tensor that is not split (e.g. a 1x1 conv on a pooled gate): the
+        boundary padded here as the halo would fill it, no exchange."""
+        pads = [p for g in reversed(self.geoms) for p in (g.pad_lo, g.pad_hi)]
+        if any(pads):
+            x = (F.pad(x, pads, mode="circular") if any(self.periodic)
+                 else F.pad(x, pads, value=self.fill))
+        n = tuple(x.shape[-self.grid.ndim:])
+        out = tuple(g.out_size(m - g.pad_lo - g.pad_hi) for g, m in zip(self.geoms, n))
+        return self._compute(x, tuple(-g.pad_lo for g in self.geoms), (0,) * len(n), out)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plain:
+            return self._whole(x)
         lay = self._layout(x)
         comm = self.grid.comm
         if lay.identity:
@@ -211,3 +225,28 @@ class DomainUpsample(DomainWindowOp):
         crop = tuple(slice(o - f * a, e - f * a) for o, e, f, a
                      in zip(out_lo, out_hi, self.factors, in_lo))
         return y[(Ellipsis,) + crop]
+
+
+class DomainConvFn(DomainWindowOp):
+    """``F.conv1d/2d/3d`` called in a forward: the geometry is fixed, the weights come per call."""
+
+    def __init__(self, grid: DomainGrid, nd: int, kernel, stride, padding, dilation, groups,
+                 overlap=False):
+        stride, dilation = _tuple(stride, nd), _tuple(dilation, nd)
+        pads = _resolve_padding(padding, kernel, dilation, nd)
+        geoms = [WindowGeometry(k, s, d, lo, hi) for k, s, d, (lo, hi)
+                 in zip(kernel, stride, dilation, pads)]
+        super().__init__(grid, geoms, overlap=overlap)
+        self.stride, self.dilation, self.groups = stride, dilation, groups
+        self._fn, self._wb = _CONV[nd], (None, None)
+
+    def forward(self, x, weight=None, bias=None):
+        self._wb = (weight, bias)
+        try:
+            return super().forward(x)
+        finally:
+            self._wb = (None, None)  # hold no weights between calls
+
+    def _compute(self, inp, in_lo, out_lo, out_hi):
+        w, b = self._wb
+        return self._fn(inp, w, b, self.stride, 0, self.dilation, self.groups)
