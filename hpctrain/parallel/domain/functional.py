@@ -219,7 +219,7 @@ class DomainFunctions(TorchFunctionMode):
         super().__init__()
         self.nd, self.grid, self.overlap = nd, grid, overlap
         self.kinds = WeakTensorKeyDictionary()
-        self._on, self.depth, self._inside = False, 0, []
+        self._on, self.depth, self._inside, self._entered = False, 0, [], 0
         self._ops: dict = {}  # window ops by arguments: their halo plans are cached inside
 
     # ---- entry points -----------------------------------------------------------------
@@ -232,11 +232,14 @@ class DomainFunctions(TorchFunctionMode):
         return self.kinds.get(t) if isinstance(t, torch.Tensor) else None
 
     def __enter__(self):
+        self._entered += 1
         self._on = True
         return super().__enter__()
 
     def __exit__(self, *exc):
-        self._on, self.depth, self._inside = False, 0, []
+        self._entered -= 1
+        if not self._entered:
+            self._on, self.depth, self._inside = False, 0, []
         return super().__exit__(*exc)
 
     def watch(self, model: nn.Module, check: bool) -> list:
