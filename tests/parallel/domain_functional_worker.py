@@ -2,10 +2,10 @@
 
 Every SUPPORTED model of tests/fixtures/domain_functional.py (global mean/max gates, functional
 max/avg pooling and conv, nearest interpolation, adaptive pooling, flatten + mean), float64,
-on every rank grid of this world size (and, at 4 ranks, the 3-rank grids of a subgroup), with
-and without overlap: outputs, input gradients and summed weight gradients equal one process
-on the whole grid. The grid reductions' backward is their adjoint. Every REFUSED model raises
-one ValueError naming its op and line, on every rank, in the forward.
+on every rank grid of this world size (and, at 4 ranks, the 3-rank grids of a subgroup),
+with and without overlap (2x1, 2x2): outputs, input gradients and summed weight gradients
+equal one process on the whole grid. The grid reductions' backward is their adjoint. Every
+REFUSED model raises one ValueError naming its op and line, on every rank, in the forward.
 """
 
 import copy
@@ -49,7 +49,7 @@ def check_case(name, grid, comm, overlap, x_full):
     g = torch.randn(yr.shape, dtype=yr.dtype, generator=torch.Generator().manual_seed(3))
     yr.backward(g)
     xs = tile(x_full, grid, x_full.shape[-2:]).clone().requires_grad_(True)
-    for step in range(2):  # the second call reuses the cached layouts and window ops
+    for _ in range(2):  # the second call reuses the cached layouts and window ops
         ys = forward(mine, fn, grid, xs, (name, overlap))
     ys.backward(tile(g, grid, yr.shape[-2:]))
     where = f"{name} grid={grid.shape} overlap={overlap} rank={comm.rank}"
@@ -115,8 +115,9 @@ def main():
     for c, shape in grids:
         grid = DomainGrid(c, shape)
         check_adjoints(grid, c)
+        overlaps = (False, True) if shape in ((2, 1), (2, 2)) else (False,)  # keep it short
         for name in D.SUPPORTED:
-            for overlap in (False, True):
+            for overlap in overlaps:
                 check_case(name, grid, c, overlap, x)
                 count += 1
         for name in D.REFUSED:

@@ -8,7 +8,8 @@ which tensors are SPLIT (their last nd dims are this rank's tile of the grid, or
 - passes it when it works point by point or along batch/channel dims only;
 - makes it exact when it reduces over the whole grid (sum/mean/amax/amin, adaptive pooling
   to 1: tile partials reduced over ``dom``, an autograd Function with the exact adjoint) or
-  is a window op (conv, pooling, nearest interpolation: the layers' halo exchange);
+  is a window op (conv, pooling, nearest and (bi)linear interpolation: the layers' halo
+  exchange);
 - refuses anything else (ValueError) with the op and the model's line that calls it.
 ``check`` runs it on one process over a whole sample (the CLI before MPI, ``prepare``
 before any collective); the executor runs it on the tiles in training.
@@ -21,15 +22,14 @@ import os
 import traceback
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from hpctrain.parallel.domain.layers import (DomainConv, DomainConvFn, DomainPool, DomainUpsample,
-                                             DomainWindowOp)
+from hpctrain.parallel.domain.layers import (DomainConv, DomainConvFn, DomainLinearUp, DomainPool,
+                                             DomainUpsample, DomainWindowOp)
 
 __all__ = ["DomainFunctions", "check", "spatial_ndim"]
 
@@ -560,6 +560,28 @@ class DomainFunctions(TorchFunctionMode):
             self._refuse(_op_name(func), "writes a tensor that spans the grid into a tile")
         return func(*args, **kwargs)
 
+    def _interpolation(self, func, nd, args, kwargs):
+        """(arguments, cache key, layer factory) of F.interpolate: nearest or (bi/tri)linear
+        with align_corners=False, by integer factors."""
+        a = _bind(_INTERP_ARGS, {"size": None, "scale_factor": None, "mode": "nearest",
+                                 "align_corners": None, "antialias": False}, args, kwargs)
+        sf = a["scale_factor"]
+        factors = tuple(sf) if isinstance(sf, (list, tuple)) else (sf,) * nd
+        mode = a["mode"]
+        linear = mode == _LINEAR_MODES.get(nd) and not a["align_corners"] and not a["antialias"]
+        if a["size"] is not None or sf is None or not (mode == "nearest" or linear) or any(
+                float(f) != int(f) or f < 1 for f in factors):
+            self._refuse(f"{_op_name(func)}(mode={mode!r}, size={a['size']!r}, scale_factor="
+                         f"{sf!r}, align_corners={a['align_corners']!r})",
+                         "has no halo rule here", "give an integer scale_factor (not size=) "
+                         "with mode='nearest', or a linear mode with align_corners=False")
+        factors = tuple(int(f) for f in factors)
+        if linear:
+            return a, ("interpolate", mode, factors), \
+                lambda g: DomainLinearUp(g, factors, self.overlap)
+        return a, ("interpolate", nd, factors), lambda g: DomainUpsample(
+            nn.Upsample(scale_factor=factors), g, self.overlap)
+
     def _window(self, func, name, args, kwargs):
         x = args[0]
         if self.kind(x) != TILE:
@@ -568,17 +590,7 @@ class DomainFunctions(TorchFunctionMode):
             self._refuse(_op_name(func), "takes a split tensor as its weight")
         nd = x.dim() - 2
         if name == "interpolate":
-            a = _bind(_INTERP_ARGS, {"size": None, "scale_factor": None, "mode": "nearest"},
-                      args, kwargs)
-            if a["mode"] != "nearest" or a["size"] is not None or a["scale_factor"] is None:
-                self._refuse(_op_name(func) + f"(mode={a['mode']!r}, size={a['size']!r})",
-                             "has no halo rule here (only nearest with a scale factor)",
-                             "use mode='nearest' with an integer scale_factor (or "
-                             "nn.Upsample(scale_factor=k))")
-            key = (name, nd, tuple(a["scale_factor"]) if isinstance(a["scale_factor"], (
-                list, tuple)) else a["scale_factor"])
-            make = lambda g: DomainUpsample(nn.Upsample(scale_factor=a["scale_factor"]), g,
-                                            self.overlap)
+            a, key, make = self._interpolation(func, nd, args, kwargs)
         elif name.startswith("conv"):
             a = _bind(_CONV_ARGS, {"bias": None, "stride": 1, "padding": 0, "dilation": 1,
                                    "groups": 1}, args, kwargs)
@@ -608,6 +620,9 @@ class DomainFunctions(TorchFunctionMode):
             return self.split(func(*args, **kwargs))
         out = op(x, a["weight"], a["bias"]) if name.startswith("conv") else op(x)
         return self.split(out)
+
+
+_LINEAR_MODES = {1: "linear", 2: "bilinear", 3: "trilinear"}
 
 
 def _hashable(v):

@@ -13,21 +13,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpctrain.parallel.domain.decomposition import WindowGeometry, rank_coords, split_bounds
+from hpctrain.parallel.domain.decomposition import (LinearUpGeometry, WindowGeometry, rank_coords,
+                                                    split_bounds)
 from hpctrain.parallel.domain.halo import (DomainGrid, halo_exchange, halo_finish, make_plan,
                                            start_halo)
 
-__all__ = ["DomainWindowOp", "DomainConv", "DomainConvFn", "DomainPool", "DomainUpsample"]
+__all__ = ["DomainWindowOp", "DomainConv", "DomainConvFn", "DomainPool", "DomainUpsample",
+           "DomainLinearUp"]
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _MAXPOOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 _AVGPOOL = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
+_LINEAR = {1: "linear", 2: "bilinear", 3: "trilinear"}
 
 
 class _Layout:
     """Everything a window op needs for one global input shape (computed once, cached)."""
 
     def __init__(self, grid: DomainGrid, geoms, periodic, fill, global_in):
+        self.global_in = global_in
         self.global_out = tuple(g.out_size(n) for g, n in zip(geoms, global_in))
         if any(m < grid.shape[d] for d, m in enumerate(self.global_out)):
             raise ValueError(f"output grid {self.global_out} (from input {global_in}) has fewer "
@@ -250,3 +254,33 @@ class DomainConvFn(DomainWindowOp):
     def _compute(self, inp, in_lo, out_lo, out_hi):
         w, b = self._wb
         return self._fn(inp, w, b, self.stride, 0, self.dilation, self.groups)
+
+
+class DomainLinearUp(DomainWindowOp):
+    """(Bi/tri)linear upsampling by integer factors, align_corners=False: a halo of one point,
+    the grid's edge points repeated beyond it (where torch clamps the source index)."""
+
+    def __init__(self, grid: DomainGrid, factors, overlap=False):
+        self.factors = tuple(int(f) for f in factors)
+        super().__init__(grid, [LinearUpGeometry(up=f) for f in self.factors], overlap=overlap)
+        self.mode = _LINEAR[grid.ndim]
+
+    def _interp(self, x: torch.Tensor) -> torch.Tensor:
+        return F.interpolate(x, scale_factor=self.factors, mode=self.mode, align_corners=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plain:
+            return self._interp(x)
+        lay = self._layout(x)
+        window = halo_exchange(x, lay.plan, self.grid.comm)  # boundary points filled with 0
+        lead = window.dim() - self.grid.ndim
+        for d, (lo, n) in enumerate(zip(lay.win_lo, lay.global_in)):
+            dim, m = lead + d, window.shape[lead + d]
+            if lo < 0:  # point -1 repeats point 0 (differentiably: its gradient goes there)
+                window = torch.cat([window.narrow(dim, 1, 1), window.narrow(dim, 1, m - 1)], dim)
+            if lo + m > n:  # point n repeats point n - 1
+                window = torch.cat([window.narrow(dim, 0, m - 1), window.narrow(dim, m - 2, 1)],
+                                   dim)
+        crop = tuple(slice(o - f * a, e - f * a) for o, e, f, a
+                     in zip(lay.out_lo, lay.out_hi, self.factors, lay.win_lo))
+        return self._interp(window)[(Ellipsis,) + crop]
