@@ -17,6 +17,7 @@ before any collective); the executor runs it on the tiles in training.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import traceback
@@ -26,7 +27,6 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from hpctrain.parallel.domain.layers import (DomainConv, DomainConvFn, DomainLinearUp, DomainPool,
                                              DomainUpsample, DomainWindowOp)
@@ -36,6 +36,7 @@ __all__ = ["DomainFunctions", "check", "spatial_ndim"]
 TILE = "tile"  # the kind of a split tensor: its last nd dims are the tile (a flat one: a tuple)
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 _HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_MODES = itertools.count()
 _POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)
 
 
@@ -218,18 +219,21 @@ class DomainFunctions(TorchFunctionMode):
     def __init__(self, nd: int, grid=None, overlap: bool = False):
         super().__init__()
         self.nd, self.grid, self.overlap = nd, grid, overlap
-        self.kinds = WeakTensorKeyDictionary()
-        self._on, self.depth, self._inside, self._entered = False, 0, [], 0
+        # A tensor's kind is an attribute it carries (cheaper than a weak dictionary on every
+        # op, and kept when checkpointing's recompute gets the saved tensor back); one name
+        # per mode, so the one-process check's marks mean nothing to training.
+        self._mark = f"_hpctrain_domain_split_{next(_MODES)}"
+        self._on, self.depth, self._entered = False, 0, 0
         self._ops: dict = {}  # window ops by arguments: their halo plans are cached inside
 
     # ---- entry points -----------------------------------------------------------------
     def split(self, t: torch.Tensor) -> torch.Tensor:
         """Mark t as split (its last nd dims are a tile of the grid)."""
-        self.kinds[t] = TILE
+        setattr(t, self._mark, TILE)
         return t
 
     def kind(self, t):
-        return self.kinds.get(t) if isinstance(t, torch.Tensor) else None
+        return getattr(t, self._mark, None) if isinstance(t, torch.Tensor) else None
 
     def __enter__(self):
         self._entered += 1
@@ -239,12 +243,12 @@ class DomainFunctions(TorchFunctionMode):
     def __exit__(self, *exc):
         self._entered -= 1
         if not self._entered:
-            self._on, self.depth, self._inside = False, 0, []
+            self._on, self.depth = False, 0
         return super().__exit__(*exc)
 
     def watch(self, model: nn.Module, check: bool) -> list:
-        """Hooks on the layers convert.py handles (originals when ``check``, else the
-        converted ones); returns their handles."""
+        """Route the layers convert.py handles (the originals when ``check``, else the
+        converted ones) through ``_layer``; returns handles whose ``remove()`` undoes it."""
         from hpctrain.parallel.domain.groupnorm import DomainGroupNorm
         from hpctrain.parallel.sync_batchnorm import SyncBatchNorm
 
@@ -256,16 +260,16 @@ class DomainFunctions(TorchFunctionMode):
             else:
                 ours = isinstance(m, (DomainWindowOp, DomainGroupNorm, SyncBatchNorm))
             if ours:
-                handles.append(m.register_forward_pre_hook(self._enter_layer))
-                handles.append(m.register_forward_hook(self._leave_layer))
+                handles.append(_Routed(m, self))
         return handles
 
     # ---- layers convert.py made domain parallel ------------------------------------------
-    def _enter_layer(self, module, args):
+    def _layer(self, module, forward, args, kwargs):
+        """A layer that splits itself: its own ops run without the mode (no per-op cost);
+        its output is split when its input is."""
         if not self._on or self.depth:  # outside the forward, or inside one of our layers
-            self._inside.append((False, False))
-            return
-        kinds = [self.kind(t) for t in tree_leaves(args)]
+            return forward(*args, **kwargs)
+        kinds = [getattr(t, self._mark, None) for t in _tensors(args, kwargs)]
         split = any(k is not None for k in kinds)
         window = isinstance(module, (nn.modules.conv._ConvNd, *_POOLS, nn.Upsample,
                                      DomainWindowOp))
@@ -277,21 +281,22 @@ class DomainFunctions(TorchFunctionMode):
                          "apply the norm to the field itself, or drop it after the reduction")
         if split and self.grid is None and window:
             self._validate_layer(module)
-        if not split and isinstance(module, DomainWindowOp):
-            module.plain = True  # a tensor every rank holds whole: the op as it is, no halo
-        self._inside.append((split, True))
+        plain = not split and isinstance(module, DomainWindowOp)
         self.depth += 1
-
-    def _leave_layer(self, module, args, output):
-        if not self._inside:
-            return
-        split, counted = self._inside.pop()
-        if counted:
+        try:
+            if plain:
+                module.plain = True  # a tensor every rank holds whole: the op as is, no halo
+            stack = torch.overrides._get_current_function_mode_stack()
+            if stack and stack[-1] is self:
+                with torch.overrides._pop_mode_temporarily():
+                    out = forward(*args, **kwargs)
+            else:
+                out = forward(*args, **kwargs)
+        finally:
             self.depth -= 1
-            if isinstance(module, DomainWindowOp):
+            if plain:
                 module.plain = False
-        if split:
-            self._tag(output, TILE)
+        return self._tag(out, TILE) if split else out
 
     def _validate_layer(self, module):
         stub = _CheckGrid(self.nd)
@@ -310,8 +315,9 @@ class DomainFunctions(TorchFunctionMode):
         kwargs = kwargs or {}
         if self.depth:
             return func(*args, **kwargs)
-        for t in tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and t in self.kinds:
+        mark = self._mark
+        for t in _tensors(args, kwargs):
+            if hasattr(t, mark):
                 return self._on_split(func, args, kwargs)
         return func(*args, **kwargs)
 
@@ -372,7 +378,7 @@ class DomainFunctions(TorchFunctionMode):
     def _tag(self, out, kind):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                self.kinds[t] = kind
+                setattr(t, self._mark, kind)
         return out
 
     def _split_dims(self, x) -> set:
@@ -623,6 +629,39 @@ class DomainFunctions(TorchFunctionMode):
 
 
 _LINEAR_MODES = {1: "linear", 2: "bilinear", 3: "trilinear"}
+
+
+def _tensors(args, kwargs):
+    """The tensors among a torch function's arguments (and in its list arguments): cheaper
+    than a pytree walk, on every op of the forward."""
+    for group in (args, kwargs.values()):
+        for a in group:
+            if isinstance(a, torch.Tensor):
+                yield a
+            elif isinstance(a, (list, tuple)):
+                for b in a:
+                    if isinstance(b, torch.Tensor):
+                        yield b
+
+
+class _Routed:
+    """A layer's forward routed through ``DomainFunctions._layer`` (an instance attribute,
+    so parameter names do not change); ``remove()`` restores it."""
+
+    def __init__(self, module: nn.Module, mode: DomainFunctions):
+        self.module, self._own = module, "forward" in module.__dict__
+        forward = module.forward
+
+        def routed(*args, **kwargs):
+            return mode._layer(module, forward, args, kwargs)
+        self._saved = module.__dict__.get("forward")
+        module.forward = routed
+
+    def remove(self) -> None:
+        if self._own:
+            self.module.forward = self._saved
+        else:
+            del self.module.forward
 
 
 def _hashable(v):
