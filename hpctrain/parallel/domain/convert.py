@@ -7,7 +7,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from hpctrain.parallel.domain.halo import DomainGrid
 from hpctrain.parallel.domain.groupnorm import DomainGroupNorm
-from hpctrain.parallel.domain.layers import DomainConv, DomainPool, DomainUpsample
+from hpctrain.parallel.domain.layers import DomainConv, DomainPool, domain_upsample
 from hpctrain.parallel.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from hpctrain.runtime.comm import Communicator
 
@@ -30,7 +30,7 @@ def to_domain(module: nn.Module, grid: DomainGrid, batch_comm: Communicator,
     if isinstance(module, _POOLS):
         return DomainPool(module, grid, overlap)
     if isinstance(module, nn.Upsample):
-        return DomainUpsample(module, grid, overlap)
+        return domain_upsample(module, grid, overlap)
     if isinstance(module, nn.GroupNorm):
         return DomainGroupNorm(module, grid.comm)
     if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):

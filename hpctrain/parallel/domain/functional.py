@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from hpctrain.parallel.domain.layers import (DomainConv, DomainConvFn, DomainLinearUp, DomainPool,
-                                             DomainUpsample, DomainWindowOp)
+                                             DomainUpsample, DomainWindowOp, domain_upsample)
 
 __all__ = ["DomainFunctions", "check", "spatial_ndim"]
 
@@ -306,7 +306,7 @@ class DomainFunctions(TorchFunctionMode):
             elif isinstance(module, _POOLS):
                 DomainPool(module, stub)
             elif isinstance(module, nn.Upsample):
-                DomainUpsample(module, stub)
+                domain_upsample(module, stub)
         except ValueError as exc:
             self._refuse(type(module).__name__, str(exc))
 

@@ -19,7 +19,7 @@ from hpctrain.parallel.domain.halo import (DomainGrid, halo_exchange, halo_finis
                                            start_halo)
 
 __all__ = ["DomainWindowOp", "DomainConv", "DomainConvFn", "DomainPool", "DomainUpsample",
-           "DomainLinearUp"]
+           "DomainLinearUp", "domain_upsample"]
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _MAXPOOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
@@ -215,8 +215,8 @@ class DomainUpsample(DomainWindowOp):
     def __init__(self, up: nn.Upsample, grid: DomainGrid, overlap=False):
         if up.mode != "nearest" or up.scale_factor is None:
             raise ValueError(f"Upsample(mode={up.mode!r}, scale_factor={up.scale_factor!r}) is not "
-                             "supported for domain parallel; use mode='nearest' with integer "
-                             "scale_factor")
+                             "supported for domain parallel; use mode='nearest' (or 'bilinear' "
+                             "with align_corners=False) with an integer scale_factor")
         f = _tuple(up.scale_factor, grid.ndim)
         if any(float(v) != int(v) or v < 1 for v in f):
             raise ValueError(f"Upsample scale_factor {up.scale_factor!r}: domain parallel needs "
@@ -284,3 +284,12 @@ class DomainLinearUp(DomainWindowOp):
         crop = tuple(slice(o - f * a, e - f * a) for o, e, f, a
                      in zip(lay.out_lo, lay.out_hi, self.factors, lay.win_lo))
         return self._interp(window)[(Ellipsis,) + crop]
+
+
+def domain_upsample(up: nn.Upsample, grid: DomainGrid, overlap=False) -> DomainWindowOp:
+    """nn.Upsample on tiles: nearest, or (bi/tri)linear with align_corners=False."""
+    if up.mode == _LINEAR.get(grid.ndim) and not up.align_corners and up.scale_factor is not None:
+        f = _tuple(up.scale_factor, grid.ndim)
+        if all(float(v) == int(v) and v >= 1 for v in f):
+            return DomainLinearUp(grid, f, overlap)
+    return DomainUpsample(up, grid, overlap)  # refuses any other mode
