@@ -12,7 +12,7 @@ the loss weighting (``DomainExecutor``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -33,7 +33,7 @@ class DomainOptions:
     ``sample`` input (whole grids) to check the forward's ops on before any collective."""
 
     overlap: bool = False
-    sample: object = None
+    sample: object = field(default=None, compare=False, repr=False)
 
 
 class DomainExecutor:
