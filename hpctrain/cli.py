@@ -417,6 +417,14 @@ def _prepare(args, launch):
                          built.loss_fn)
         except ValueError as exc:
             return _fail(rank, str(exc))
+    if plan.domain:  # every op of the forward on two whole samples: made exact or refused
+        from hpctrain.data.sampler import collate
+        from hpctrain.parallel.domain.functional import check as check_domain
+
+        try:
+            check_domain(built.model, collate(built.dataset, range(min(2, len(built.dataset))))[0])
+        except ValueError as exc:
+            return _fail(rank, str(exc))
     return cfg, built
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
@@ -40,11 +41,27 @@ def frozen_running_stats(module: nn.Module):
                 m.num_batches_tracked.copy_(count)
 
 
+def _function_modes() -> list:
+    return list(torch.overrides._get_current_function_mode_stack())
+
+
+@contextlib.contextmanager
+def _recompute(module: nn.Module, modes: list):
+    """The recompute keeps BatchNorm statistics and runs under the torch function modes the
+    forward ran under (backward runs outside them; e.g. the domain split's, which makes the
+    forward's own ops exact on tiles)."""
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            stack.enter_context(mode)
+        with frozen_running_stats(module):
+            yield
+
+
 def checkpoint_without_stat_updates(module: nn.Module, fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` under non-reentrant activation checkpointing; during the
     recompute the BatchNorm layers of ``module`` (those fn runs) keep their statistics."""
-    def contexts():
-        return contextlib.nullcontext(), frozen_running_stats(module)
+    def contexts():  # called in the forward
+        return contextlib.nullcontext(), _recompute(module, _function_modes())
 
     # Non-reentrant: works with kwargs, unused outputs and parameters without grads.
     return checkpoint(fn, *args, use_reentrant=False, context_fn=contexts, **kwargs)

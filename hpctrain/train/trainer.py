@@ -191,6 +191,13 @@ class Trainer:
             device = next(model.parameters()).device
             options["pipeline"].sample = to_device(collate(data, range(min(2, len(data))))[0],
                                                    device)
+        elif self.plan.domain and isinstance(self.built.model, torch.nn.Module):
+            # Every op of the forward is checked on two whole samples before any collective.
+            from dataclasses import replace
+
+            data = self.built.dataset
+            options["domain"] = replace(options["domain"],
+                                        sample=collate(data, range(min(2, len(data))))[0])
         if has_deferred(self.built.model) and world.is_main:
             print("hpctrain: deferred init: the model was built on the meta device; each rank "
                   "fills only the part it keeps, layer by layer", flush=True)

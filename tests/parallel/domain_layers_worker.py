@@ -2,8 +2,9 @@
 
 Forward outputs, input gradients and (summed) weight gradients, float64, over a table of
 cases: kernels 1/3/5/7, strides 1/2, dilations 1/2, padding same/valid/explicit, odd grid
-sizes, 1D/2D/3D, zero and periodic (circular) boundaries, pools, upsampling, norms, with and
-without overlap; on every rank grid of this world size. Also the halo exchange's adjoint.
+sizes, 1D/2D/3D, zero and periodic (circular) boundaries, pools, upsampling (nearest and
+(bi/tri)linear), norms, with and without overlap; on every rank grid of this world size.
+Also the halo exchange's adjoint.
 """
 
 import copy
@@ -106,7 +107,9 @@ def main():
                          nn.AvgPool2d(3, 1, 1), nn.MaxPool2d(3, 1, 1, dilation=1)]
             if nd == 3:
                 pools = [nn.MaxPool3d(3, 2, 1), nn.AvgPool3d(2)]
+            linear = {1: "linear", 2: "bilinear", 3: "trilinear"}[nd]
             others = pools + [nn.Upsample(scale_factor=2), nn.Upsample(scale_factor=3),
+                              nn.Upsample(scale_factor=2, mode=linear),
                               nn.GroupNorm(1, 3).double(), nn.GroupNorm(3, 3).double(),
                               nn.Sequential(CONV[nd](3, 6, 3, padding=1), nn.GroupNorm(2, 6),
                                             nn.ReLU()).double()]

@@ -1,7 +1,8 @@
 """Domain (spatial) parallelism: halo exchange over a Cartesian grid of ranks.
 
 decomposition.py is pure arithmetic; halo.py the exchange and its adjoint; layers.py and
-convert.py the domain-parallel layers; strategy.py the ``domain`` strategy's wrap().
+convert.py the domain-parallel layers; functional.py the ops the forward calls itself (made
+exact on tiles or refused); strategy.py the ``domain`` strategy's wrap().
 """
 
 from hpctrain.parallel.domain.decomposition import split_bounds

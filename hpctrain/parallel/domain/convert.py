@@ -7,19 +7,13 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from hpctrain.parallel.domain.halo import DomainGrid
 from hpctrain.parallel.domain.groupnorm import DomainGroupNorm
-from hpctrain.parallel.domain.layers import DomainConv, DomainPool, DomainUpsample
+from hpctrain.parallel.domain.layers import DomainConv, DomainPool, domain_upsample
 from hpctrain.parallel.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from hpctrain.runtime.comm import Communicator
 
 __all__ = ["to_domain"]
 
 _POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)
-# Layers that mix spatial points in ways a tile cannot reproduce locally.
-_UNSUPPORTED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
-                nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
-                nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
-                nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LayerNorm,
-                nn.Linear, nn.Flatten)
 
 
 def to_domain(module: nn.Module, grid: DomainGrid, batch_comm: Communicator,
@@ -28,8 +22,9 @@ def to_domain(module: nn.Module, grid: DomainGrid, batch_comm: Communicator,
 
     BatchNorm statistics are reduced over ``batch_comm`` (every rank holding part of the
     global batch: the domain group times dp); GroupNorm's over the domain group only.
-    Pointwise layers (activations, dropout, 1x1 convs) stay as they are. ``name``: the
-    module's qualified name in the model, for errors.
+    Other layers stay as they are: what they compute (point by point, a global reduction,
+    or a Linear over a tile, refused) is decided op by op in the forward (functional.py).
+    ``name``: the module's qualified name in the model, for errors.
     """
     try:
         converted = _convert(module, grid, batch_comm, overlap)
@@ -39,12 +34,6 @@ def to_domain(module: nn.Module, grid: DomainGrid, batch_comm: Communicator,
         raise ValueError(f"layer {name!r} ({type(module).__name__}): {exc}") from None
     if converted is not None:
         return converted
-    if isinstance(module, _UNSUPPORTED):
-        where = f"layer {name!r} ({type(module).__name__})" if name else type(module).__name__
-        raise ValueError(f"{where} is not supported by domain parallel (it mixes all spatial "
-                         "points or needs a transposed halo); build the model from "
-                         "Conv/Pool/nearest Upsample/BatchNorm/GroupNorm and pointwise layers, "
-                         "or use a data-parallel plan")
     for child_name, child in module.named_children():
         new = to_domain(child, grid, batch_comm, overlap,
                         f"{name}.{child_name}" if name else child_name)
@@ -60,7 +49,7 @@ def _convert(module: nn.Module, grid: DomainGrid, batch_comm: Communicator, over
     if isinstance(module, _POOLS):
         return DomainPool(module, grid, overlap)
     if isinstance(module, nn.Upsample):
-        return DomainUpsample(module, grid, overlap)
+        return domain_upsample(module, grid, overlap)
     if isinstance(module, nn.GroupNorm):
         return DomainGroupNorm(module, grid.comm)
     if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):

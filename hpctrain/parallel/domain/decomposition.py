@@ -17,7 +17,8 @@ import itertools
 from dataclasses import dataclass
 
 __all__ = ["split_bounds", "rank_coords", "coords_rank", "grid_shape_for", "conv_out_size",
-           "Segment", "dim_segments", "Piece", "window_pieces", "wrap_mirrors", "WindowGeometry"]
+           "Segment", "dim_segments", "Piece", "window_pieces", "wrap_mirrors", "WindowGeometry",
+           "LinearUpGeometry"]
 
 
 def split_bounds(n: int, parts: int) -> list[tuple[int, int]]:
@@ -197,3 +198,19 @@ class WindowGeometry:
             b = (i1 - self.span + self.pad_lo) // self.stride + 1
         a, b = max(a, o0), min(b, o1)
         return (a, b) if a < b else (o0, o0)
+
+
+@dataclass(frozen=True)
+class LinearUpGeometry(WindowGeometry):
+    """Linear upsampling by an integer ``up`` (align_corners=False): out j reads in i and i+1,
+    i = floor((j + 0.5) / up - 0.5) (i = -1 and i + 1 = n are the edge points repeated)."""
+
+    def out_size(self, n: int) -> int:
+        return n * self.up
+
+    def window(self, o0: int, o1: int) -> tuple[int, int]:
+        first = (2 * o0 + 1 - self.up) // (2 * self.up)  # exact integer floor
+        return first, (2 * (o1 - 1) + 1 - self.up) // (2 * self.up) + 2
+
+    def interior(self, o0: int, o1: int, i0: int, i1: int) -> tuple[int, int]:
+        return o0, o0  # no overlap: the op is cheap next to its halo

@@ -13,21 +13,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpctrain.parallel.domain.decomposition import WindowGeometry, rank_coords, split_bounds
+from hpctrain.parallel.domain.decomposition import (LinearUpGeometry, WindowGeometry, rank_coords,
+                                                    split_bounds)
 from hpctrain.parallel.domain.halo import (DomainGrid, halo_exchange, halo_finish, make_plan,
                                            start_halo)
 
-__all__ = ["DomainWindowOp", "DomainConv", "DomainPool", "DomainUpsample"]
+__all__ = ["DomainWindowOp", "DomainConv", "DomainConvFn", "DomainPool", "DomainUpsample",
+           "DomainLinearUp", "domain_upsample"]
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _MAXPOOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 _AVGPOOL = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
+_LINEAR = {1: "linear", 2: "bilinear", 3: "trilinear"}
 
 
 class _Layout:
     """Everything a window op needs for one global input shape (computed once, cached)."""
 
     def __init__(self, grid: DomainGrid, geoms, periodic, fill, global_in):
+        self.global_in = global_in
         self.global_out = tuple(g.out_size(n) for g, n in zip(geoms, global_in))
         if any(m < grid.shape[d] for d, m in enumerate(self.global_out)):
             raise ValueError(f"output grid {self.global_out} (from input {global_in}) has fewer "
@@ -73,6 +77,7 @@ class DomainWindowOp(nn.Module):
         self.periodic = (bool(periodic),) * grid.ndim
         self.fill = fill
         self.overlap = overlap
+        self.plain = False  # set while called on a tensor every rank holds whole (functional.py)
         self._layouts: dict = {}
 
     def _layout(self, x: torch.Tensor) -> _Layout:
@@ -92,7 +97,20 @@ class DomainWindowOp(nn.Module):
         return (Ellipsis,) + tuple(slice(a - o, b - o) for (a, b), o in zip(w, origin)), \
             tuple(a for a, _ in w)
 
+    def _whole(self, x: torch.Tensor) -> torch.Tensor:
+        """The op on a tensor that is not split (e.g. a 1x1 conv on a pooled gate): the
+        boundary padded here as the halo would fill it, no exchange."""
+        pads = [p for g in reversed(self.geoms) for p in (g.pad_lo, g.pad_hi)]
+        if any(pads):
+            x = (F.pad(x, pads, mode="circular") if any(self.periodic)
+                 else F.pad(x, pads, value=self.fill))
+        n = tuple(x.shape[-self.grid.ndim:])
+        out = tuple(g.out_size(m - g.pad_lo - g.pad_hi) for g, m in zip(self.geoms, n))
+        return self._compute(x, tuple(-g.pad_lo for g in self.geoms), (0,) * len(n), out)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plain:
+            return self._whole(x)
         lay = self._layout(x)
         comm = self.grid.comm
         if lay.identity:
@@ -197,8 +215,8 @@ class DomainUpsample(DomainWindowOp):
     def __init__(self, up: nn.Upsample, grid: DomainGrid, overlap=False):
         if up.mode != "nearest" or up.scale_factor is None:
             raise ValueError(f"Upsample(mode={up.mode!r}, scale_factor={up.scale_factor!r}) is not "
-                             "supported for domain parallel; use mode='nearest' with integer "
-                             "scale_factor")
+                             "supported for domain parallel; use mode='nearest' (or 'bilinear' "
+                             "with align_corners=False) with an integer scale_factor")
         f = _tuple(up.scale_factor, grid.ndim)
         if any(float(v) != int(v) or v < 1 for v in f):
             raise ValueError(f"Upsample scale_factor {up.scale_factor!r}: domain parallel needs "
@@ -211,3 +229,67 @@ class DomainUpsample(DomainWindowOp):
         crop = tuple(slice(o - f * a, e - f * a) for o, e, f, a
                      in zip(out_lo, out_hi, self.factors, in_lo))
         return y[(Ellipsis,) + crop]
+
+
+class DomainConvFn(DomainWindowOp):
+    """``F.conv1d/2d/3d`` called in a forward: the geometry is fixed, the weights come per call."""
+
+    def __init__(self, grid: DomainGrid, nd: int, kernel, stride, padding, dilation, groups,
+                 overlap=False):
+        stride, dilation = _tuple(stride, nd), _tuple(dilation, nd)
+        pads = _resolve_padding(padding, kernel, dilation, nd)
+        geoms = [WindowGeometry(k, s, d, lo, hi) for k, s, d, (lo, hi)
+                 in zip(kernel, stride, dilation, pads)]
+        super().__init__(grid, geoms, overlap=overlap)
+        self.stride, self.dilation, self.groups = stride, dilation, groups
+        self._fn, self._wb = _CONV[nd], (None, None)
+
+    def forward(self, x, weight=None, bias=None):
+        self._wb = (weight, bias)
+        try:
+            return super().forward(x)
+        finally:
+            self._wb = (None, None)  # hold no weights between calls
+
+    def _compute(self, inp, in_lo, out_lo, out_hi):
+        w, b = self._wb
+        return self._fn(inp, w, b, self.stride, 0, self.dilation, self.groups)
+
+
+class DomainLinearUp(DomainWindowOp):
+    """(Bi/tri)linear upsampling by integer factors, align_corners=False: a halo of one point,
+    the grid's edge points repeated beyond it (where torch clamps the source index)."""
+
+    def __init__(self, grid: DomainGrid, factors, overlap=False):
+        self.factors = tuple(int(f) for f in factors)
+        super().__init__(grid, [LinearUpGeometry(up=f) for f in self.factors], overlap=overlap)
+        self.mode = _LINEAR[grid.ndim]
+
+    def _interp(self, x: torch.Tensor) -> torch.Tensor:
+        return F.interpolate(x, scale_factor=self.factors, mode=self.mode, align_corners=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plain:
+            return self._interp(x)
+        lay = self._layout(x)
+        window = halo_exchange(x, lay.plan, self.grid.comm)  # boundary points filled with 0
+        lead = window.dim() - self.grid.ndim
+        for d, (lo, n) in enumerate(zip(lay.win_lo, lay.global_in)):
+            dim, m = lead + d, window.shape[lead + d]
+            if lo < 0:  # point -1 repeats point 0 (differentiably: its gradient goes there)
+                window = torch.cat([window.narrow(dim, 1, 1), window.narrow(dim, 1, m - 1)], dim)
+            if lo + m > n:  # point n repeats point n - 1
+                window = torch.cat([window.narrow(dim, 0, m - 1), window.narrow(dim, m - 2, 1)],
+                                   dim)
+        crop = tuple(slice(o - f * a, e - f * a) for o, e, f, a
+                     in zip(lay.out_lo, lay.out_hi, self.factors, lay.win_lo))
+        return self._interp(window)[(Ellipsis,) + crop]
+
+
+def domain_upsample(up: nn.Upsample, grid: DomainGrid, overlap=False) -> DomainWindowOp:
+    """nn.Upsample on tiles: nearest, or (bi/tri)linear with align_corners=False."""
+    if up.mode == _LINEAR.get(grid.ndim) and not up.align_corners and up.scale_factor is not None:
+        f = _tuple(up.scale_factor, grid.ndim)
+        if all(float(v) == int(v) and v >= 1 for v in f):
+            return DomainLinearUp(grid, f, overlap)
+    return DomainUpsample(up, grid, overlap)  # refuses any other mode

@@ -12,13 +12,14 @@ the loss weighting (``DomainExecutor``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from hpctrain.parallel.domain.convert import to_domain
 from hpctrain.parallel.domain.decomposition import grid_shape_for
+from hpctrain.parallel.domain.functional import DomainFunctions, check, spatial_ndim
 from hpctrain.parallel.domain.halo import DomainGrid
 from hpctrain.parallel.placement import Copies, place, placement_of
 from hpctrain.runtime.abort import set_context
@@ -28,16 +29,21 @@ __all__ = ["DomainOptions", "DomainExecutor", "prepare"]
 
 @dataclass(frozen=True)
 class DomainOptions:
-    """Whether to overlap halos with compute (the mesh comes from the ParallelPlan)."""
+    """Whether to overlap halos with compute (the mesh comes from the ParallelPlan); a
+    ``sample`` input (whole grids) to check the forward's ops on before any collective."""
 
     overlap: bool = False
+    sample: object = field(default=None, compare=False, repr=False)
 
 
 class DomainExecutor:
     """Runs forward/backward on this rank's tiles and reads only those tiles."""
 
-    def __init__(self, grid: DomainGrid, dp_rank: int, dp_size: int):
+    def __init__(self, grid: DomainGrid, dp_rank: int, dp_size: int,
+                 functions: DomainFunctions):
         self.grid = grid
+        # The forward's own ops on tiles: made exact or refused (functional.py).
+        self.functions = functions
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self._shapes = None  # global spatial shapes of the current batch's (x, y)
 
@@ -86,7 +92,7 @@ class DomainExecutor:
             set_context(phase="forward")  # named in flight records, stall reports, timeline
             try:
                 with precision.autocast():
-                    loss = loss_fn(model(x), y)
+                    loss = loss_fn(self._forward(model, x), y)
             finally:
                 self.grid.end()
             nd = self.grid.ndim
@@ -95,6 +101,11 @@ class DomainExecutor:
             backward(precision.scale(loss * (share * weight)))
             local += float(loss.detach()) * share * weight
         return local
+
+    def _forward(self, model, x):
+        """model(x) on this rank's tile x, its functional ops followed (functional.py)."""
+        with self.functions:
+            return model(self.functions.split(x))
 
     def forward_loss(self, dp_part, micro_batches, loss_fn, precision) -> float:
         """Evaluation: each micro-batch's loss on this rank's tiles, weighted by the tiles'
@@ -107,7 +118,7 @@ class DomainExecutor:
                 self.grid.begin(gx)
                 try:
                     with precision.autocast():
-                        out = model(x)
+                        out = self._forward(model, x)
                         if x.shape[0]:
                             loss = float(loss_fn(out, y))
                 finally:
@@ -117,30 +128,26 @@ class DomainExecutor:
         return local
 
 
-def _spatial_ndim(model: nn.Module) -> int:
-    for m in model.modules():
-        if isinstance(m, nn.modules.conv._ConvNd):
-            return len(m.kernel_size)
-    raise ValueError("domain parallel found no Conv1d/2d/3d in the model, so it cannot tell "
-                     "how many spatial dims to split; use a convolutional model")
-
-
 def prepare(model: nn.Module, world, mesh, options: DomainOptions | None = None):
     """Make model's spatial layers domain parallel over ``mesh.comm("dom")``; return (model,
     executor). Collective over the world (BatchNorm statistics span every rank that holds
     part of the global batch: dom times dp, the whole world while pp = tp = 1)."""
     opts = options or DomainOptions()
-    shape = grid_shape_for(mesh.layout.dom, _spatial_ndim(model))  # fails on every rank alike
+    shape = grid_shape_for(mesh.layout.dom, spatial_ndim(model))  # fails on every rank alike
     if mesh.size("pp") > 1 or mesh.size("tp") > 1:
         raise ValueError(f"mesh {mesh.layout.describe()}: the domain transform composes with dp "
                          "only (pp = tp = 1)")
     grid = DomainGrid(mesh.comm("dom"), shape)
     model.to(world.device)
+    if opts.sample is not None:  # every op of the forward, on whole grids: fails on every rank
+        check(model, opts.sample.to(world.device))
     with torch.no_grad():  # identical start everywhere, whatever the user's init did
         for t in model.state_dict().values():
             world.comm.broadcast(t, root=0)
     model = to_domain(model, grid, world.comm, overlap=opts.overlap)
+    functions = DomainFunctions(grid.ndim, grid, opts.overlap)
+    functions.watch(model, check=False)  # the layers' own ops are theirs
     # Every tile holds every weight whole; each gets the gradient of its own tile.
     for t in list(model.parameters()) + list(model.buffers()):
         place(t, placement_of(t).with_copies(Copies("dom", grid.comm, partial=True)))
-    return model, DomainExecutor(grid, mesh.coords["dp"], mesh.size("dp"))
+    return model, DomainExecutor(grid, mesh.coords["dp"], mesh.size("dp"), functions)
