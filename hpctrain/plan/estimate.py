@@ -12,8 +12,10 @@ bytes per parameter (p, g, o) from ``state_bytes`` (fp32 AdamW: 4+4+8; mixed: 2+
                                                           it fits allgather_bucket_size)
   fsdp HYBRID            as fsdp with N = ranks per node (replicas across nodes)
 Buffers: zero2, zero3 and fsdp reduce-scatter gradients during backward through piece buffers
-of at most reduce_bucket_size bytes alive at once, and the MPI backend stages (N-1)/N of the
-pieces in flight to receive them: B + B·(N-1)/N (``reduction_buffer_bytes``).
+of at most B = reduce_bucket_size bytes alive at once, and the MPI backend stages (N-1)/N of
+the pieces in flight to receive them: B + B·(N-1)/N (``reduction_buffer_bytes``), next to the
+full gradients of the unit whose backward runs (g·unit; gΨ under grad accumulation, kept
+from the first micro-batch to the last); zero1's step reduce-scatter: 3g·unit/N.
 """
 
 from __future__ import annotations
@@ -171,16 +173,26 @@ def _states(c: Candidate, req: Request, psi: int, unit: int) -> tuple:
     return p * psi / n, g * psi / n, o * psi / n, 2 * p * unit, "(p+g+o)Ψ/N + 2p·unit"
 
 
-def _buffers(c: Candidate, req: Request) -> tuple:
-    """(bytes, formula) of the gradient reduction's buffers: zero2, zero3 and fsdp's sharded
-    flavours reduce-scatter during backward over N > 1 ranks (zero1 at the step, in place;
-    ddp through Horovod's fusion buffer, not priced here)."""
+def _buffers(c: Candidate, req: Request, psi: int, unit: int) -> tuple:
+    """(bytes, formula) of the transients the sharded flavours hold besides their states:
+    zero2, zero3 and fsdp's sharded flavours reduce-scatter during backward over N > 1
+    ranks, through buffers of at most B = reduce_bucket_size alive at once plus what the MPI
+    backend stages to receive (B·(N-1)/N), next to the full gradients of the unit whose
+    backward runs (every unit's under grad accumulation: the earlier micro-batches keep
+    them); zero1 reduce-scatters each unit whole at the step (the result and the ring's
+    two chunks: 3 shards of a unit); ddp fuses in Horovod's buffer, not priced here."""
     n = _shard_group(c, req)
     kind = c.dp_label if c.dp > 1 else "ddp"
-    if kind in ("ddp", "single", "zero1") or n <= 1:
+    _, g, _ = state_bytes(req.precision, req.optimizer, req.momentum, req.autocast)
+    if kind in ("ddp", "single") or n <= 1:
         return 0, "0"
+    if kind == "zero1":
+        return 3 * g * unit / n, "3g·unit/N (the step's reduce-scatter)"
     b = req.reduce_bucket_size
-    return reduction_buffer_bytes(b, n), f"B + B·(N-1)/N, B = reduce_bucket_size = {b:,}"
+    grads, text = (g * psi, "gΨ") if req.grad_accum > 1 else (g * unit, "g·unit")
+    return reduction_buffer_bytes(b, n) + grads, \
+        f"B + B·(N-1)/N + {text} (B = reduce_bucket_size = {b:,}; full gradients until " \
+        f"their reduction{', all of them under grad accumulation' if req.grad_accum > 1 else ''})"
 
 
 def _gpt_layer(shape, i: int, e: int, c: Candidate) -> tuple:
@@ -308,7 +320,7 @@ def estimate(shape, c: Candidate, req: Request) -> Estimate:
                  for st in stages]
     psi, unit = max(per_stage)
     pb, gb, ob, gathered, states_formula = _states(c, req, psi, unit)
-    buffers, buffers_formula = _buffers(c, req)
+    buffers, buffers_formula = _buffers(c, req, psi, unit)
     act, act_ac, kept, b, live = _activations(shape, c, req, stages)
     comm, comm_formula = _comm(shape, c, req, psi, stages, b)
     p, g, o = state_bytes(req.precision, req.optimizer, req.momentum, req.autocast)

@@ -103,8 +103,10 @@ def legend(shape, req) -> str:
         "N = ranks per node",
         f"  buffers: zero2/zero3/fsdp reduce gradients during backward through buffers of "
         f"at most B = reduce_bucket_size = {req.reduce_bucket_size:,} bytes, and the MPI "
-        f"backend stages (N-1)/N of those in flight: B + B·(N-1)/N; fsdp prefetches a unit "
-        f"only when it fits allgather_bucket_size = {req.allgather_bucket_size:,}",
+        f"backend stages (N-1)/N of those in flight: B + B·(N-1)/N, + the full gradients of "
+        f"the unit whose backward runs (g·unit; gΨ with --grad-accum > 1); zero1: 3g·unit/N "
+        f"(its step's reduce-scatter); fsdp prefetches a unit only when it fits "
+        f"allgather_bucket_size = {req.allgather_bucket_size:,}",
         f"  activ: Megatron {MEGATRON_FORMULA} per layer (fp16, dropout, unfused "
         f"attention); hpctrain's gpt (fused attention, no dropout) keeps s·b·(16h + a + 4)"
         f"·e, with tp t: s·b·(h·(4 + 12/t) + 4 + a/t)·e, + sequence parallel: "
