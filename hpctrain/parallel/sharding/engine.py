@@ -133,12 +133,15 @@ class ShardedModel(Parallelized):
         self._micro = 0
         self._final = True
         # The one order in which every rank reduces units: backward's usual order (the last
-        # block's first, the root, holding embeddings, last). A hook reduces a complete unit
-        # only when every unit before it in this order is reduced, and the step reduces the
-        # rest in the same order, so ranks whose graphs differ (a branch taken on some ranks
-        # only) still issue the same collectives in the same order: no deadlock, no mismatch.
+        # block's first, the root unit, holding embeddings, last; a model without one, all
+        # blocks, has no root unit). A hook reduces a complete unit only when every unit
+        # before it in this order is reduced, and the step reduces the rest in the same
+        # order, so ranks whose graphs differ (a branch taken on some ranks only) still issue
+        # the same collectives in the same order: no deadlock, no mismatch. (Putting a block
+        # last would keep its gradients alive through the whole backward.)
         n = len(units)
-        self._order = list(range(n - 2, -1, -1)) + [n - 1] if n > 1 else list(range(n))
+        roots = [i for i, u in enumerate(units) if u.name == "<root>"]
+        self._order = [i for i in range(n - 1, -1, -1) if i not in roots] + roots
         # A GatherSchedule's stream closes (reduces) the units in its own canonical order.
         self._streamed = schedule is not None and plan.hook_reduce and not plan.persistent_grads
         if self._streamed:
