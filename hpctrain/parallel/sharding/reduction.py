@@ -7,9 +7,9 @@ bounded by the piece, not by the unit: a bucket smaller than a unit splits it.
 
 ``InFlight`` is the overlapped form (Horovod's pattern: start in the hooks, complete in the
 synchronize): ``start`` packs a unit's pieces into buffers of their own and starts them as
-non-blocking ``ireduce_scatter``; the bytes in flight are capped by the reduce bucket
-(``reduce_bucket_size``, default ``_INFLIGHT_BYTES``: a piece that would pass the cap first
-completes the oldest ones); the all-reduces over a
+non-blocking ``ireduce_scatter``; the piece buffers alive at once (in flight or kept for
+reuse) are capped by the reduce bucket (``reduce_bucket_size``, default ``_INFLIGHT_BYTES``:
+a piece that would pass the cap first completes the oldest ones); the all-reduces over a
 unit's replicas and partial groups start when its pieces are complete; ``finish_all``
 completes everything, in start order. What starts next depends only on the order of
 ``start`` calls and byte counts, never on which request happens to be done, so ranks that

@@ -92,12 +92,11 @@ def _events(root: nn.Module, modules: list) -> list:
     return out
 
 
-def _prefetched(events: list, fits) -> tuple[list, set]:
+def _prefetched(events: list, fits) -> list:
     """Backward events with each gather moved one gather earlier when its unit ``fits`` the
     prefetch budget: the first gather brings the second along, and each later gather happens
     where the one before it was (BACKWARD_PRE: the next unit's all-gather is issued before
-    this unit's backward computes). A unit that does not fit keeps its own place. Returns
-    (the events, the units moved)."""
+    this unit's backward computes). A unit that does not fit keeps its own place."""
     opens = [i for kind, i in events if kind == _OPEN]
     out, slot, moved = [], 0, set()
     for kind, i in events:
@@ -110,7 +109,7 @@ def _prefetched(events: list, fits) -> tuple[list, set]:
             moved.add(opens[slot + 1])
             out.append((_OPEN, opens[slot + 1]))
         slot += 1
-    return out, moved
+    return out
 
 
 class GatherSchedule:
@@ -152,10 +151,10 @@ class GatherSchedule:
         fits = [prefetch_bytes is None or u.full_bytes() <= prefetch_bytes for u in units]
         self._fits = fits  # units the prefetch budget lets be gathered ahead
         if prefetch and reshard_after_forward:
-            bwd, _ = _prefetched(bwd, lambda i: fits[i])
+            bwd = _prefetched(bwd, lambda i: fits[i])
             # Any unit that fits but the first backward needs may be gathered ahead: moved
             # one gather earlier, or next in the stream already (a unit nested in another).
-            first = next(i for kind, i in bwd if kind == _OPEN)
+            first = next((i for kind, i in bwd if kind == _OPEN), None)
             self.prefetch_buffer = max((u.full_bytes() for i, u in enumerate(units)
                                         if fits[i] and i != first), default=0)
         self._bwd = bwd
