@@ -3,8 +3,8 @@ each sharding strategy; gathered params and full grads really are freed; backwar
 gathers the next unit ahead; non-final micro-batches do not communicate gradients. For every
 reduce_bucket_size / allgather_bucket_size (the defaults, one that splits every unit and
 prefetches none, one larger than the model) the transient buffers stay within their
-budgets, the rank's peak within 1.05x of formula + buffers, and two steps match one process
-to rtol 1e-5."""
+budgets and the rank's peak within 1.05x of formula + buffers; with the other sizes two
+steps match one process to rtol 1e-5 (the defaults: test_fsdp_equivalence)."""
 
 import sys
 
@@ -131,10 +131,11 @@ for strategy, prefetch, bucket in CASES:
         limit = root + (2 if prefetch == "BACKWARD_PRE" else 1) * block
         assert rep["peak_gathered"] <= limit, (prefetch, rep["peak_gathered"], limit)
         assert rep["peak_gathered"] < 4 * psi, rep
-    for _ in range(2):  # the second step: both match one process
-        par.backward(lm_loss(par.model(x), y) / (2 * N))
-    par.step()
-    check_matches(label, par.full_state_dict(), want_state)
+    if bucket is not None:  # (the default sizes: test_fsdp_equivalence)
+        for _ in range(2):  # the second step: both match one process
+            par.backward(lm_loss(par.model(x), y) / (2 * N))
+        par.step()
+        check_matches(label, par.full_state_dict(), want_state)
 if N > 1:
     # Prefetch really gathers ahead: one more unit is in memory at once than without it.
     assert peaks[("FULL_SHARD", "BACKWARD_PRE")] > peaks[("FULL_SHARD", "NONE")], peaks
