@@ -94,7 +94,8 @@ def run(params_m: float = 20.0, steps: int = 3, strategies=DEFAULT, width: int =
               f"(B + B(N-1)/N: piece buffers + what MPI stages to receive; zero1: its step's "
               f"whole-unit reduce-scatter, 3 shards of a unit) + the unit backward prefetch "
               f"may gather ahead (allgather_bucket_size) + zero2/zero3/fsdp: a unit's full "
-              f"gradients, alive until its reduction starts; target measured/(formula + buffers) <= {TARGET:.2f}: "
+              f"gradients, alive until its reduction starts; target measured/(formula + "
+              f"buffers) <= {TARGET:.2f}: "
               + (f"{verdicts.count('PASS')} PASS, {verdicts.count('FAIL')} FAIL"
                  if verdicts else "none measured"))
         print("  build target (zero3, fsdp; deferred init): the rank's state once built "

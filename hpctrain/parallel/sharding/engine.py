@@ -34,7 +34,8 @@ anyway (parameters that got no gradient anywhere).
 Overlapped reduction (Horovod's pattern: start in the hooks, complete in synchronize): a
 backward hook starts the ready units' reductions, in the fixed order, as non-blocking pieces
 (``reduction.InFlight``, piece buffers capped by ``reduce_bucket_size``; memory_report's
-``reduce_buffers`` is their peak, ``reduce_buffers_limit`` the cap's), and tests the oldest request (Open MPI moves data only inside MPI calls).
+``reduce_buffers`` is their peak, ``reduce_buffers_limit`` the cap's), and tests the
+oldest request (Open MPI moves data only inside MPI calls).
 ``_sync_grads`` starts what the hooks did not (units with a parameter whose hook never
 fired, in the same order) and completes all of it.
 """
