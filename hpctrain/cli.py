@@ -35,6 +35,20 @@ class _Parser(argparse.ArgumentParser):
 
 
 # flag -> (section, key); the flags override the TOML file.
+SHARDED = "<zero or fsdp>"  # a flag for the table of the plan's sharded flavour
+
+
+def _scalar(text: str):
+    """A flag value as TOML reads it (an integer, a number, else the text), so that the
+    config's check names the key when the type is wrong."""
+    for tp in (int, float):
+        try:
+            return tp(text)
+        except ValueError:
+            pass
+    return text
+
+
 TRAIN_FLAGS = {
     "strategy": ("train", "strategy", str, f"parallel strategy: {', '.join(STRATEGIES)}"),
     "model": ("train", "model", str,
@@ -85,6 +99,12 @@ TRAIN_FLAGS = {
     "sharding_strategy": ("fsdp", "sharding_strategy", str,
                           "fsdp: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD"),
     "auto_wrap_policy": ("fsdp", "auto_wrap_policy", str, "fsdp units: blocks, class, size, none"),
+    # [zero] or [fsdp], whichever the plan's dp flavour reads (_sharded_overrides)
+    "reduce_bucket_size": (SHARDED, "reduce_bucket_size", _scalar, "zero2/zero3/fsdp: bytes of "
+                           "gradient-reduction buffers alive at once (default 16777216; the "
+                           "MPI backend stages up to as much again)"),
+    "allgather_bucket_size": ("fsdp", "allgather_bucket_size", _scalar, "fsdp: prefetch the "
+                              "next unit in backward only when it fits in this many bytes"),
 }
 BOOL_FLAGS = {
     "activation_checkpointing": ("train", "activation_checkpointing", "recompute activations"),
@@ -153,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fix glibc's mmap threshold in the measured ranks (0: glibc's dynamic "
                          "default, which keeps freed multi-MB tensors resident; runtime/malloc.py"
                          " explains the step-time cost)")
+    bm.add_argument("--reduce-bucket-size", type=_positive_int, default=None, metavar="BYTES",
+                    help="zero2/zero3/fsdp reduce_bucket_size (default the options')")
+    bm.add_argument("--allgather-bucket-size", type=_positive_int, default=None,
+                    metavar="BYTES", help="fsdp allgather_bucket_size (default the options')")
     bs = bsub.add_parser("step", help="step time of ddp, zero1-3 and fsdp vs torch DDP, torch "
                          "FSDP2 and the no-communication floor, with targets")
     bs.add_argument("--params-m", type=float, default=20.0, help="model size, millions of params")
@@ -340,8 +364,28 @@ def _overrides(args) -> list[dict]:
     out = [parse_assignment(a) for a in args.assignments]
     for name, (section, key, *_rest) in {**TRAIN_FLAGS, **BOOL_FLAGS}.items():
         value = getattr(args, name)
-        if value is not None:
+        if value is not None and section != SHARDED:
             out.append({section: {key: value}})
+    return out
+
+
+def _sharded_overrides(args, cfg, size: int) -> list[dict]:
+    """The flags of the sharded flavour's table ([zero] for zero1-3, [fsdp] for fsdp),
+    which the plan's dp flavour names; ConfigError for a plan without one."""
+    from hpctrain.parallel.plan import FLAVOUR_TABLES
+
+    out = []
+    for name, (section, key, *_rest) in TRAIN_FLAGS.items():
+        value = getattr(args, name)
+        if section != SHARDED or value is None:
+            continue
+        flavour = cfg.plan(size).flavour
+        table = FLAVOUR_TABLES.get(flavour)
+        if table not in ("zero", "fsdp"):
+            raise ConfigError(f"--{name.replace('_', '-')} {value} sizes the gradient reduction "
+                              f"of zero1-3 and fsdp, but the plan's dp flavour is {flavour!r}; "
+                              f"drop the flag or use --strategy zero2, zero3 or fsdp")
+        out.append({table: {key: value}})
     return out
 
 
@@ -368,7 +412,11 @@ def _prepare(args, launch):
     or an exit code."""
     rank, size = launch.rank, launch.size
     try:
-        cfg = load_config(args.config, _overrides(args)).validate(size)
+        cfg = load_config(args.config, _overrides(args))
+        sharded = _sharded_overrides(args, cfg, size)
+        if sharded:
+            cfg = load_config(args.config, _overrides(args) + sharded)
+        cfg = cfg.validate(size)
     except ConfigError as exc:
         return _fail(rank, str(exc))
     if args.print_config:
@@ -503,8 +551,10 @@ def cmd_bench(args) -> int:
     if args.bench_command == "memory":
         from hpctrain.bench.memory import run as run_memory
 
+        buckets = {k: getattr(args, k) for k in ("reduce_bucket_size", "allgather_bucket_size")
+                   if getattr(args, k) is not None}
         return run_memory(args.params_m, args.steps, args.strategies,
-                          mmap_threshold_kb=args.mmap_threshold_kb)
+                          mmap_threshold_kb=args.mmap_threshold_kb, buckets=buckets)
     if args.bench_command == "halo":
         from hpctrain.bench.halo import run as run_halo
 

@@ -36,6 +36,9 @@ FSDP_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 FSDP_WRAP = ("blocks", "class", "size", "none")
 FSDP_PREFETCH = ("BACKWARD_PRE", "NONE")
 FSDP_DTYPES = ("", "fp32", "bf16", "fp16")
+# parallel/sharding/reduction.py DEFAULT_BUCKET_BYTES and fsdp.py DEFAULT_ALLGATHER_BUCKET_BYTES.
+REDUCE_BUCKET_BYTES = 1 << 24
+ALLGATHER_BUCKET_BYTES = 1 << 30
 OPTIMIZERS = ("sgd", "adamw")  # the usual two; any torch.optim class is accepted
 PRECISIONS = ("fp32", "bf16", "fp16")
 LOSS_WEIGHTS = ("samples", "tokens")
@@ -159,6 +162,10 @@ class UnitPolicy:
     wrap_classes: str = _f("", "comma-separated module class names for auto_wrap_policy=class, "
                            "e.g. GPTBlock")
     min_params: int = _f(0, "parameters per unit for auto_wrap_policy=size", min=0)
+    reduce_bucket_size: int = _f(REDUCE_BUCKET_BYTES, "bytes: gradients are reduce-scattered in "
+                                 "pieces of at most this, with at most this much piece buffer "
+                                 "alive at once (zero1 reduces at the step, in place; the MPI "
+                                 "backend stages up to as much again to receive)", min=1)
 
 
 @dataclass
@@ -228,6 +235,9 @@ class FSDPSection(UnitPolicy):
     buffer_dtype: str = _f("", "dtype of floating buffers ('': keep)", choices=FSDP_DTYPES)
     cpu_offload: bool = _f(False, "keep shards, their grads and optimizer state on the host (GPU)")
     sync_batchnorm: bool = _f(True, "BatchNorm statistics over the global batch (all ranks)")
+    allgather_bucket_size: int = _f(ALLGATHER_BUCKET_BYTES, "bytes: BACKWARD_PRE gathers the "
+                                    "next unit ahead only when its full buffer fits this",
+                                    min=1)
 
 
 @dataclass

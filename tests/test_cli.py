@@ -34,6 +34,11 @@ def test_default_single_run_learns(tmp_path):
     (["--model", "no.such.module:factory"], "no.such.module"),
     (["--model", "resnet"], "resnet"),
     (["--mesh", "dp=3"], "multiply to 3, not 1"),
+    (["--strategy", "zero2", "--reduce-bucket-size", "0"],
+     "zero.reduce_bucket_size = 0: must be >= 1"),
+    (["--strategy", "fsdp", "--allgather-bucket-size", "1.5"],
+     "fsdp.allgather_bucket_size = 1.5: expected an integer"),
+    (["--strategy", "ddp", "--reduce-bucket-size", "4096"], "--reduce-bucket-size 4096 sizes"),
 ])
 def test_bad_input_exits_2_with_one_line(flags, words):
     proc = run_single(["-m", "hpctrain", "train", "--progress", "off"] + flags, check=False)

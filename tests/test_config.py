@@ -41,6 +41,10 @@ def test_round_trip_toml(tmp_path):
     ({"trian": {"steps": 3}}, ["unknown table [trian]"]),
     ({"train": {"lr": float("nan")}}, ["train.lr", "finite"]),
     ({"train": {"grad_accum": 64}}, ["grad_accum", "global_batch_size"]),
+    ({"zero": {"reduce_bucket_size": 0}}, ["zero.reduce_bucket_size = 0", ">= 1"]),
+    ({"fsdp": {"reduce_bucket_size": -4096}}, ["fsdp.reduce_bucket_size = -4096", ">= 1"]),
+    ({"fsdp": {"allgather_bucket_size": 2.5}}, ["fsdp.allgather_bucket_size", "an integer"]),
+    ({"zero": {"reduce_bucket_size": "16MB"}}, ["zero.reduce_bucket_size", "an integer"]),
 ])
 def test_bad_values_name_the_key(override, words):
     with pytest.raises(ConfigError) as err:

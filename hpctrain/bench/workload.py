@@ -237,11 +237,16 @@ def _ours(strategy: str, options=None):
     return build
 
 
+# Bucket sizes for the sharded entries' options ({"reduce_bucket_size": ..., ...}), set by
+# ``measure`` from its arguments (empty: the options' defaults).
+_BUCKETS: dict = {}
+
+
 def _fsdp_options(sharding: str):
     def options():
         from hpctrain.parallel.fsdp import FSDPOptions
 
-        return FSDPOptions(sharding_strategy=sharding)
+        return FSDPOptions(sharding_strategy=sharding, **_BUCKETS)
     return options
 
 
@@ -249,7 +254,8 @@ def _zero_options(stage: int):
     def options():
         from hpctrain.parallel.zero import ZeroOptions
 
-        return ZeroOptions(stage=stage)
+        return ZeroOptions(stage=stage, **{k: v for k, v in _BUCKETS.items()
+                                           if k == "reduce_bucket_size"})
     return options
 
 
@@ -315,10 +321,14 @@ def resolve(name: str) -> str:
 
 
 def measure(strategy: str, params_m: float = 20.0, width: int = 1024, batch: int = 32,
-            warmup: int = 2, steps: int = 3, mmap_threshold_kb: int | None = None) -> dict:
-    """Train warmup+steps AdamW steps; return per-rank peak RSS above baseline and timings."""
+            warmup: int = 2, steps: int = 3, mmap_threshold_kb: int | None = None,
+            buckets: dict | None = None) -> dict:
+    """Train warmup+steps AdamW steps; return per-rank peak RSS above baseline and timings.
+    ``buckets``: reduce_bucket_size / allgather_bucket_size for the sharded entries."""
     from hpctrain.runtime.world import init_world
 
+    _BUCKETS.clear()
+    _BUCKETS.update(buckets or {})
     strategy = resolve(strategy)
     entry = ENTRIES[strategy]
     _set_mmap_threshold(mmap_threshold_kb)

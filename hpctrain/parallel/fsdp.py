@@ -28,16 +28,19 @@ from torch import nn
 from hpctrain.parallel.base import DPGroups, OptimizerFactory, Parallelized
 from hpctrain.parallel.flat_buffer import FlatUnit
 from hpctrain.parallel.sharding.engine import ShardedModel, ShardPlan, prepare_model
+from hpctrain.parallel.sharding.reduction import DEFAULT_BUCKET_BYTES, check_bucket_size
 from hpctrain.parallel.sharding.schedule import GatherSchedule, cast_floating_inputs
 from hpctrain.parallel.sharding.solo import SoloCommunicator
 from hpctrain.parallel.units import WRAP_POLICIES, check_wrap_policy, wrapped_modules
 
 __all__ = ["FSDPOptions", "SHARDING_STRATEGIES", "WRAP_POLICIES", "BACKWARD_PREFETCH",
-           "DTYPES", "wrap", "wrapped_modules"]
+           "DTYPES", "DEFAULT_ALLGATHER_BUCKET_BYTES", "wrap", "wrapped_modules"]
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 BACKWARD_PREFETCH = ("BACKWARD_PRE", "NONE")
 DTYPES = {"": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: allgather_bucket_size's default: every unit up to 1 GiB is prefetched.
+DEFAULT_ALLGATHER_BUCKET_BYTES = 1 << 30
 _STAGE = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0, "HYBRID_SHARD": 3}
 
 
@@ -50,6 +53,12 @@ class FSDPOptions:
     (bottom-up, a module whose not-yet-wrapped parameters number at least ``min_params``)
     or "none" (one unit); see ``units.wrapped_modules``. dtypes are "" (keep the
     parameters' own), "fp32", "bf16" or "fp16".
+
+    Transient buffers, in bytes (as DeepSpeed's ``reduce_bucket_size`` and
+    ``allgather_bucket_size``): ``reduce_bucket_size`` bounds the gradient reduction's piece
+    buffers alive at once (as ZeroOptions'); ``allgather_bucket_size`` the parameters
+    gathered ahead of their use: BACKWARD_PRE prefetches the next unit only when its full
+    buffer fits (one unit ahead at a time), so a smaller bucket trades overlap for memory.
     """
 
     sharding_strategy: str = "FULL_SHARD"
@@ -63,6 +72,8 @@ class FSDPOptions:
     cpu_offload: bool = False
     grad_accum: int = 1
     sync_batchnorm: bool = True
+    reduce_bucket_size: int = DEFAULT_BUCKET_BYTES
+    allgather_bucket_size: int = DEFAULT_ALLGATHER_BUCKET_BYTES
 
     def __post_init__(self):
         def check(field, value, allowed):
@@ -78,6 +89,8 @@ class FSDPOptions:
         if not isinstance(self.grad_accum, int) or self.grad_accum < 1:
             raise ValueError(f"FSDPOptions.grad_accum = {self.grad_accum!r}: expected an int >= 1 "
                              "(the number of backward calls per step)")
+        for key in ("reduce_bucket_size", "allgather_bucket_size"):
+            check_bucket_size("FSDPOptions", "fsdp", key, getattr(self, key))
 
 
 def _groups(world, strategy: str, dp):
@@ -103,7 +116,8 @@ class FSDP(ShardedModel):
         self.opts = opts
         plan = ShardPlan(name="fsdp", stage=_STAGE[opts.sharding_strategy],
                          grad_accum=opts.grad_accum, on_demand=on_demand,
-                         reduce_dtype=DTYPES[opts.reduce_dtype], hook_reduce=not external)
+                         reduce_dtype=DTYPES[opts.reduce_dtype], hook_reduce=not external,
+                         reduce_bucket_size=opts.reduce_bucket_size)
         super().__init__(model, make_optimizer, world, units, frozen, plan, shard_comm,
                          replicate_comm, schedule, name_of=name_of)
         self.reshard_after_forward = opts.sharding_strategy != "SHARD_GRAD_OP"
@@ -136,7 +150,7 @@ def wrap(model: nn.Module, make_optimizer: OptimizerFactory, world,
         schedule = GatherSchedule(specs, units,
                                   reshard_after_forward=opts.sharding_strategy != "SHARD_GRAD_OP",
                                   prefetch=opts.backward_prefetch == "BACKWARD_PRE",
-                                  root=model)
+                                  root=model, prefetch_bytes=opts.allgather_bucket_size)
     elif sharded:
         for u in units:  # the executor gathers each unit when its layers run
             u.free()

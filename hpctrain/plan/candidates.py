@@ -30,6 +30,8 @@ class Request:
     grad_accum: int = 1
     microbatches: int = 4
     autocast: bool = False  # price bf16/fp16 states as hpctrain's autocast (fp32) does
+    reduce_bucket_size: int = 1 << 24       # [zero]/[fsdp] reduce_bucket_size, bytes
+    allgather_bucket_size: int = 1 << 30    # [fsdp] allgather_bucket_size, bytes
 
     @property
     def nodes(self) -> int:
@@ -107,6 +109,15 @@ def overrides_of(c: Candidate, req: Request, spec: str, options: dict,
         data["runtime"] = runtime
     if c.flavour == "fsdp" and c.sharding != "FULL_SHARD":
         data["fsdp"] = {"sharding_strategy": c.sharding}
+    buckets = {}
+    if c.flavour in ("zero1", "zero2", "zero3", "fsdp") and \
+            req.reduce_bucket_size != Request.reduce_bucket_size:
+        buckets["reduce_bucket_size"] = req.reduce_bucket_size
+    if c.flavour == "fsdp" and req.allgather_bucket_size != Request.allgather_bucket_size:
+        buckets["allgather_bucket_size"] = req.allgather_bucket_size
+    if buckets:
+        table = "fsdp" if c.flavour == "fsdp" else "zero"
+        data[table] = {**data.get(table, {}), **buckets}
     if c.pp > 1:
         data["pipeline"] = {"schedule": c.schedule, "microbatches": req.microbatches}
     if c.sequence_parallel:

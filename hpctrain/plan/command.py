@@ -55,6 +55,12 @@ def add_parser(sub) -> None:
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     p.add_argument("--micro-batches", type=int, default=4,
                    help="pipeline micro-batches per (grad-accumulation) batch")
+    p.add_argument("--reduce-bucket-size", type=int, default=1 << 24, metavar="BYTES",
+                   help="zero2/zero3/fsdp gradient-reduction buffers alive at once (default "
+                        "16777216; priced with what the MPI backend stages to receive)")
+    p.add_argument("--allgather-bucket-size", type=int, default=1 << 30, metavar="BYTES",
+                   help="fsdp prefetches the next unit only when it fits in this (default "
+                        "1073741824)")
     p.add_argument("--fitting", action="store_true",
                    help="list only the plans that fit (with or without checkpointing)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
@@ -103,7 +109,8 @@ def _request(args):
                              f"--ranks-per-node {rpn} = {args.nodes * rpn}")
     if rpn and ranks % rpn:
         raise PlanInputError(f"{ranks} ranks do not fill nodes of {rpn}")
-    for name in ("memory_gb", "global_batch", "grad_accum", "micro_batches"):
+    for name in ("memory_gb", "global_batch", "grad_accum", "micro_batches",
+                 "reduce_bucket_size", "allgather_bucket_size"):
         if getattr(args, name) <= 0:
             raise PlanInputError(f"--{name.replace('_', '-')} {getattr(args, name)}: "
                                  f"expected a positive number")
@@ -111,7 +118,9 @@ def _request(args):
                    memory_gb=args.memory_gb, precision=args.precision,
                    optimizer=args.optimizer, momentum=args.momentum,
                    global_batch=args.global_batch, grad_accum=args.grad_accum,
-                   microbatches=args.micro_batches, autocast=args.states == "autocast")
+                   microbatches=args.micro_batches, autocast=args.states == "autocast",
+                   reduce_bucket_size=args.reduce_bucket_size,
+                   allgather_bucket_size=args.allgather_bucket_size)
 
 
 def _no_plan(req, refused: list) -> str:

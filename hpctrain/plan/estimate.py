@@ -8,8 +8,14 @@ bytes per parameter (p, g, o) from ``state_bytes`` (fp32 AdamW: 4+4+8; mixed: 2+
   zero2                  pΨ + (g+o)Ψ/N                  (2Ψ + 14Ψ/N mixed)
   fsdp SHARD_GRAD_OP     (p+g+o)Ψ/N + pΨ gathered       (stage 2, the shard kept besides)
   zero3                  (p+g+o)Ψ/N + p·(largest unit)  (16Ψ/N + one gathered unit)
-  fsdp                   (p+g+o)Ψ/N + 2p·(largest unit) (the next unit is prefetched)
-  fsdp HYBRID            as zero3 with N = ranks per node (replicas across nodes)
+  fsdp                   (p+g+o)Ψ/N + 2p·(largest unit) (the next unit is prefetched, when
+                                                          it fits allgather_bucket_size)
+  fsdp HYBRID            as fsdp with N = ranks per node (replicas across nodes)
+Buffers: zero2, zero3 and fsdp reduce-scatter gradients during backward through piece buffers
+of at most B = reduce_bucket_size bytes alive at once, and the MPI backend stages (N-1)/N of
+the pieces in flight to receive them: B + B·(N-1)/N (``reduction_buffer_bytes``), next to the
+full gradients of the unit whose backward runs (g·unit; gΨ under grad accumulation, kept
+from the first micro-batch to the last); zero1's step reduce-scatter: 3g·unit/N.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hpctrain.parallel.pipeline import schedule as pipe_schedule
+from hpctrain.parallel.sharding.reduction import reduction_buffer_bytes
 from hpctrain.plan.candidates import Candidate, Request
 
 __all__ = ["Estimate", "estimate", "state_bytes", "gpt_layer_activation",
@@ -94,6 +101,7 @@ class Estimate:
     grads: float
     optimizer: float
     gathered: float
+    buffers: float  # the gradient reduction's in-flight buffers (reduce_bucket_size)
     activations: float
     activations_ac: float
     activations_kept: float  # with checkpointing, less one layer's recompute in backward
@@ -104,7 +112,7 @@ class Estimate:
 
     @property
     def states(self) -> float:
-        return self.params + self.grads + self.optimizer + self.gathered
+        return self.params + self.grads + self.optimizer + self.gathered + self.buffers
 
     @property
     def total(self) -> float:
@@ -158,7 +166,33 @@ def _states(c: Candidate, req: Request, psi: int, unit: int) -> tuple:
     if kind == "zero3":
         return p * psi / n, g * psi / n, o * psi / n, p * unit, "(p+g+o)Ψ/N + p·unit"
     # fsdp FULL_SHARD / HYBRID: backward_prefetch gathers the next unit before this one ends
+    # (only a unit that fits allgather_bucket_size)
+    if p * unit > req.allgather_bucket_size:
+        return p * psi / n, g * psi / n, o * psi / n, p * unit, \
+            "(p+g+o)Ψ/N + p·unit (a unit > allgather_bucket_size: no prefetch)"
     return p * psi / n, g * psi / n, o * psi / n, 2 * p * unit, "(p+g+o)Ψ/N + 2p·unit"
+
+
+def _buffers(c: Candidate, req: Request, psi: int, unit: int) -> tuple:
+    """(bytes, formula) of the transients the sharded flavours hold besides their states:
+    zero2, zero3 and fsdp's sharded flavours reduce-scatter during backward over N > 1
+    ranks, through buffers of at most B = reduce_bucket_size alive at once plus what the MPI
+    backend stages to receive (B·(N-1)/N), next to the full gradients of the unit whose
+    backward runs (every unit's under grad accumulation: the earlier micro-batches keep
+    them); zero1 reduce-scatters each unit whole at the step (the result and the ring's
+    two chunks: 3 shards of a unit); ddp fuses in Horovod's buffer, not priced here."""
+    n = _shard_group(c, req)
+    kind = c.dp_label if c.dp > 1 else "ddp"
+    _, g, _ = state_bytes(req.precision, req.optimizer, req.momentum, req.autocast)
+    if kind in ("ddp", "single") or n <= 1:
+        return 0, "0"
+    if kind == "zero1":
+        return 3 * g * unit / n, "3g·unit/N (the step's reduce-scatter)"
+    b = req.reduce_bucket_size
+    grads, text = (g * psi, "gΨ") if req.grad_accum > 1 else (g * unit, "g·unit")
+    return reduction_buffer_bytes(b, n) + grads, \
+        f"B + B·(N-1)/N + {text} (B = reduce_bucket_size = {b:,}; full gradients until " \
+        f"their reduction{', all of them under grad accumulation' if req.grad_accum > 1 else ''})"
 
 
 def _gpt_layer(shape, i: int, e: int, c: Candidate) -> tuple:
@@ -286,12 +320,14 @@ def estimate(shape, c: Candidate, req: Request) -> Estimate:
                  for st in stages]
     psi, unit = max(per_stage)
     pb, gb, ob, gathered, states_formula = _states(c, req, psi, unit)
+    buffers, buffers_formula = _buffers(c, req, psi, unit)
     act, act_ac, kept, b, live = _activations(shape, c, req, stages)
     comm, comm_formula = _comm(shape, c, req, psi, stages, b)
     p, g, o = state_bytes(req.precision, req.optimizer, req.momentum, req.autocast)
     formulas = {"states": f"{states_formula} with p={p}, g={g}, o={o}, "
                           f"N={_shard_group(c, req)}, Ψ={psi:,}",
                 "activations": f"micro-batch b={b:g} x {max(live)} in flight",
+                "buffers": buffers_formula,
                 "comm": comm_formula}
-    return Estimate(c, pb, gb, ob, gathered, act, act_ac, kept, comm,
+    return Estimate(c, pb, gb, ob, gathered, buffers, act, act_ac, kept, comm,
                     req.memory_gb * 1e9, psi, formulas)

@@ -65,7 +65,7 @@ def _verdict(e) -> str:
 def table(estimates: list) -> str:
     """One row per plan; a plan that does not fit even with checkpointing is struck
     through (~~plan~~)."""
-    head = ("plan", "params", "grads", "optimizer", "gathered", "activ", "activ AC",
+    head = ("plan", "params", "grads", "optimizer", "gathered", "buffers", "activ", "activ AC",
             "total", "total AC", "comm/step", "verdict")
     rows = []
     for e in estimates:
@@ -73,7 +73,8 @@ def table(estimates: list) -> str:
         if not (e.fits or e.fits_with_ac):
             label = f"~~{label}~~"
         rows.append((label, human(e.params), human(e.grads), human(e.optimizer),
-                     human(e.gathered), human(e.activations), human(e.activations_ac),
+                     human(e.gathered), human(e.buffers), human(e.activations),
+                     human(e.activations_ac),
                      human(e.total), human(e.total_ac), human(e.comm), _verdict(e)))
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
     fmt = "  ".join(f"{{:{'<' if i in (0, len(head) - 1) else '>'}{w}}}"
@@ -100,6 +101,12 @@ def legend(shape, req) -> str:
         "fsdp:SHARD_GRAD_OP: (p+g+o)Ψ/N + pΨ "
         "gathered (units stay gathered from forward to backward)   fsdp:HYBRID: as fsdp, "
         "N = ranks per node",
+        f"  buffers: zero2/zero3/fsdp reduce gradients during backward through buffers of "
+        f"at most B = reduce_bucket_size = {req.reduce_bucket_size:,} bytes, and the MPI "
+        f"backend stages (N-1)/N of those in flight: B + B·(N-1)/N, + the full gradients of "
+        f"the unit whose backward runs (g·unit; gΨ with --grad-accum > 1); zero1: 3g·unit/N "
+        f"(its step's reduce-scatter); fsdp prefetches a unit only when it fits "
+        f"allgather_bucket_size = {req.allgather_bucket_size:,}",
         f"  activ: Megatron {MEGATRON_FORMULA} per layer (fp16, dropout, unfused "
         f"attention); hpctrain's gpt (fused attention, no dropout) keeps s·b·(16h + a + 4)"
         f"·e, with tp t: s·b·(h·(4 + 12/t) + 4 + a/t)·e, + sequence parallel: "
@@ -160,7 +167,8 @@ def to_json(estimates: list, req, shape, best) -> str:
                 "dp_flavour": c.flavour, "fsdp_sharding": c.sharding,
                 "schedule": c.schedule, "sequence_parallel": c.sequence_parallel,
                 "params": e.params, "grads": e.grads, "optimizer": e.optimizer,
-                "gathered": e.gathered, "activations": e.activations,
+                "gathered": e.gathered, "buffers": e.buffers,
+                "activations": e.activations,
                 "activations_checkpointed": e.activations_ac, "total": e.total,
                 "total_checkpointed": e.total_ac, "comm_per_step": e.comm,
                 "params_per_rank": e.psi_rank,
@@ -192,6 +200,7 @@ def chart(estimates: list, req, path: str) -> None:
              ("grads", [e.grads for e in estimates]),
              ("optimizer", [e.optimizer for e in estimates]),
              ("gathered", [e.gathered for e in estimates]),
+             ("buffers", [e.buffers for e in estimates]),
              ("activations", [e.activations if e.fits else e.activations_ac
                               for e in estimates])]
     fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(estimates) + 2), 5))

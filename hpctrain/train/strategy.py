@@ -133,7 +133,8 @@ def plan_options(cfg: Config, flavour: str | None = None) -> dict:
                           sync_batchnorm=d.sync_batchnorm),
         "zero": ZeroOptions(stage=stage, grad_accum=t.grad_accum,
                             sync_batchnorm=z.sync_batchnorm, auto_wrap_policy=z.auto_wrap_policy,
-                            wrap_classes=_class_names(z.wrap_classes), min_params=z.min_params),
+                            wrap_classes=_class_names(z.wrap_classes), min_params=z.min_params,
+                            reduce_bucket_size=z.reduce_bucket_size),
         "fsdp": fsdp_options(cfg),
         "pipeline": PipelineOptions(schedule=pl.schedule, microbatches=pl.microbatches,
                                     virtual_stages=pl.virtual_stages, balance=pl.balance,
@@ -164,7 +165,9 @@ def fsdp_options(cfg: Config):
                        min_params=f.min_params, backward_prefetch=f.backward_prefetch,
                        param_dtype=f.param_dtype, reduce_dtype=f.reduce_dtype,
                        buffer_dtype=f.buffer_dtype, cpu_offload=f.cpu_offload,
-                       grad_accum=cfg.train.grad_accum, sync_batchnorm=f.sync_batchnorm)
+                       grad_accum=cfg.train.grad_accum, sync_batchnorm=f.sync_batchnorm,
+                       reduce_bucket_size=f.reduce_bucket_size,
+                       allgather_bucket_size=f.allgather_bucket_size)
 
 
 def _class_names(text: str) -> tuple:

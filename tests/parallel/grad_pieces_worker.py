@@ -47,10 +47,10 @@ def reference_grads(model, x):
     return out
 
 
-def options(strategy):
+def options(strategy, cap):
     if strategy == "fsdp":
-        return FSDPOptions()
-    return ZeroOptions(stage=int(strategy[-1]))
+        return FSDPOptions(reduce_bucket_size=cap)
+    return ZeroOptions(stage=int(strategy[-1]), reduce_bucket_size=cap)
 
 
 def blocking_shards(model, x):
@@ -74,7 +74,7 @@ for piece, cap, calls in CASES:
     # (its hooks start the units again, adding to the first reduction).
     reduction._PIECE_BYTES = piece
     reduction._MIN_RANK_PIECE_BYTES = 4 if piece < DEFAULT_PIECE else DEFAULT_MIN
-    reduction._INFLIGHT_BYTES = cap
+    reduction._INFLIGHT_BYTES = cap  # the blocking path's bucket (the engine's: the options)
     for strategy in ("zero1", "zero2", "zero3", "fsdp"):
         torch.manual_seed(0)
         model = Net()
@@ -83,7 +83,7 @@ for piece, cap, calls in CASES:
         x = torch.randn(5, 37, generator=torch.Generator().manual_seed(10 + world.rank))
         want = reference_grads(ref_model, x)
         par = wrap(strategy, model, lambda ps: torch.optim.SGD(ps, lr=0.1), world,
-                   options(strategy))
+                   options(strategy, cap))
         for _ in range(calls):
             par.backward(par.model(x).square().sum())
         if strategy != "zero1":  # started in the hooks, in flight until the synchronize
@@ -106,8 +106,8 @@ for piece, cap, calls in CASES:
             checked += 1
         rep = par.memory_report()
         if N > 1 and strategy != "zero1":  # zero1 reduces its flat buffers at the step
-            # The bytes in flight never exceed the cap (at least one piece of at least one
-            # element per rank gets through).
+            # The piece buffers alive never exceed the cap (at least one piece of at least
+            # one element per rank gets through).
             assert rep["transient_grad_bucket"] <= max(cap, piece, 4 * N), \
                 (strategy, piece, cap, rep)
             assert rep["transient_grad_bucket"] > 0, (strategy, rep)

@@ -29,15 +29,30 @@ def test_options_are_checked():
         FSDPOptions(grad_accum=0)
 
 
+def test_bucket_sizes_are_checked_naming_the_option():
+    from hpctrain.parallel.zero import ZeroOptions
+
+    for make, key in ((lambda v: ZeroOptions(stage=2, reduce_bucket_size=v), "ZeroOptions.reduce"),
+                      (lambda v: FSDPOptions(reduce_bucket_size=v), "FSDPOptions.reduce"),
+                      (lambda v: FSDPOptions(allgather_bucket_size=v), "FSDPOptions.allgather")):
+        for bad in (0, -1, 1.5, True, "16MB"):
+            with pytest.raises(ValueError, match=f"{key}_bucket_size = "):
+                make(bad)
+        assert make(1) is not None  # one byte: pieces of one element per rank
+
+
 def test_config_builds_options_and_rejects_bad_tables():
     cfg = load_config(None, [{"train": {"strategy": "fsdp", "grad_accum": 2},
                               "fsdp": {"sharding_strategy": "HYBRID_SHARD",
                                        "auto_wrap_policy": "class",
                                        "wrap_classes": "GPTBlock, MLPBlock",
-                                       "param_dtype": "bf16", "cpu_offload": True}}])
+                                       "param_dtype": "bf16", "cpu_offload": True,
+                                       "reduce_bucket_size": 4096,
+                                       "allgather_bucket_size": 1 << 20}}])
     assert strategy_options(cfg.validate(2)) == FSDPOptions(
         sharding_strategy="HYBRID_SHARD", auto_wrap_policy="class",
-        wrap_classes=("GPTBlock", "MLPBlock"), param_dtype="bf16", cpu_offload=True, grad_accum=2)
+        wrap_classes=("GPTBlock", "MLPBlock"), param_dtype="bf16", cpu_offload=True, grad_accum=2,
+        reduce_bucket_size=4096, allgather_bucket_size=1 << 20)
     bad = [({"sharding_strategy": "HALF"}, 2, "fsdp.sharding_strategy"),
            ({"auto_wrap_policy": "class"}, 2, "wrap_classes"),
            ({"auto_wrap_policy": "size"}, 2, "min_params"),

@@ -34,6 +34,14 @@ def results(tmp_path_factory):
     steps += [{"id": f"fp16-{s}", "world": 2, "argv": BASE + ["--precision", "fp16",
                                                                "--strategy", s]}
               for s in ("zero1", "zero3")]
+    # --reduce-bucket-size: 4 KiB splits every unit into many pieces, 1 TiB holds the model
+    steps += [{"id": "bucket-split-zero3", "world": 2,
+               "argv": BASE + ACCUM + ["--strategy", "zero3", "--reduce-bucket-size", "4096"]},
+              {"id": "bucket-split-zero2", "world": 4,
+               "argv": BASE + CLIP + ["--strategy", "zero2", "--reduce-bucket-size", "4096"]},
+              {"id": "bucket-whole-zero3", "world": 4,
+               "argv": BASE + CLIP + ["--strategy", "zero3", "--reduce-bucket-size",
+                                      str(1 << 40)]}]
     # Last in their processes: the memory worker wraps models by hand.
     steps += [{"id": f"memory-{n}", "world": n,
                "script": os.path.join(HERE, "zero_memory_worker.py")} for n in (2, 4)]
@@ -56,6 +64,15 @@ def test_clipping_by_global_norm_over_shards_is_exact(results, strategy):
 def test_zero3_with_activation_checkpointing_is_exact(results):
     # Recomputed block forwards run inside backward, after the block was re-gathered.
     ref, got = _summary(results, "ref-accum"), _summary(results, "ac-zero3")
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5)
+    np.testing.assert_allclose(got["param_norm"], ref["param_norm"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("case, ref", [("bucket-split-zero3", "ref-accum"),
+                                       ("bucket-split-zero2", "ref-clip"),
+                                       ("bucket-whole-zero3", "ref-clip")])
+def test_any_reduce_bucket_size_is_exact(results, case, ref):
+    ref, got = _summary(results, ref), _summary(results, case)
     np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5)
     np.testing.assert_allclose(got["param_norm"], ref["param_norm"], rtol=1e-5)
 

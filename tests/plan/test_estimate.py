@@ -6,6 +6,8 @@ import shlex
 import resource
 import time
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -79,6 +81,35 @@ def test_zero_paper_formulas_mixed_precision(n):
     assert states("fsdp", "FULL_SHARD") == pytest.approx(states("zero3") + 2 * unit)
     # SHARD_GRAD_OP keeps every unit gathered between forward and backward
     assert states("fsdp", "SHARD_GRAD_OP") == pytest.approx(16 * psi / n + 2 * psi)
+
+
+def test_buffers_are_priced_from_the_bucket_sizes():
+    from hpctrain.parallel.sharding.reduction import reduction_buffer_bytes
+
+    shape = gpt_shape(**TINY)
+    psi, unit, n = shape.params(), max(shape.units()), 4
+    req = Request(ranks=n, ranks_per_node=n, memory_gb=1, precision="fp32", global_batch=32)
+
+    def est(flavour, sharding="", **kw):
+        return estimate(shape, Candidate(1, n, 1, flavour, sharding),
+                        replace(req, **kw) if kw else req)
+
+    b = 1 << 24
+    assert est("ddp").buffers == 0
+    assert est("zero1").buffers == pytest.approx(3 * 4 * unit / n)  # the step's reduce-scatter
+    for flavour, sharding in (("zero2", ""), ("zero3", ""), ("fsdp", "FULL_SHARD")):
+        e = est(flavour, sharding)
+        assert e.buffers == pytest.approx(b + b * (n - 1) // n + 4 * unit)  # + a unit's grads
+        assert e.total == pytest.approx(e.params + e.grads + e.optimizer + e.gathered +
+                                        e.buffers + e.activations)
+        small = est(flavour, sharding, reduce_bucket_size=4096)
+        assert small.buffers == pytest.approx(reduction_buffer_bytes(4096, n) + 4 * unit)
+        # under grad accumulation the earlier micro-batches keep every full gradient
+        accum = est(flavour, sharding, reduce_bucket_size=4096, grad_accum=2)
+        assert accum.buffers == pytest.approx(reduction_buffer_bytes(4096, n) + 4 * psi)
+    # a unit that does not fit allgather_bucket_size is not prefetched
+    assert est("fsdp", "FULL_SHARD").gathered == 2 * 4 * unit
+    assert est("fsdp", "FULL_SHARD", allgather_bucket_size=4 * unit - 1).gathered == 4 * unit
 
 
 def test_hybrid_shards_inside_a_node_and_replicates_across():
@@ -253,6 +284,7 @@ def test_json_and_chart(tmp_path, capsys):
     (["--ranks", "0"], "give the ranks"),
     (["--model", "mlp", "--layers", "4", "--ranks", "2"], "describe the built-in gpt"),
     (["--ranks", "64", "--global-batch", "8"], "no plan runs on 64 ranks"),
+    (["--ranks", "2", "--reduce-bucket-size", "0"], "--reduce-bucket-size 0: expected a positive"),
 ])
 def test_bad_input_is_one_line_and_exit_2(flags, words, capsys):
     assert main(["plan", "--memory-gb", "80", *flags]) == 2

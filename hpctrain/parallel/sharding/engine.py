@@ -33,8 +33,9 @@ anyway (parameters that got no gradient anywhere).
 
 Overlapped reduction (Horovod's pattern: start in the hooks, complete in synchronize): a
 backward hook starts the ready units' reductions, in the fixed order, as non-blocking pieces
-(``reduction.InFlight``, bytes in flight capped; memory_report's ``transient_grad_bucket``
-is their peak), and tests the oldest request (Open MPI moves data only inside MPI calls).
+(``reduction.InFlight``, piece buffers capped by ``reduce_bucket_size``; memory_report's
+``reduce_buffers`` is their peak, ``reduce_buffers_limit`` the cap's), and tests the
+oldest request (Open MPI moves data only inside MPI calls).
 ``_sync_grads`` starts what the hooks did not (units with a parameter whose hook never
 fired, in the same order) and completes all of it.
 """
@@ -54,7 +55,7 @@ from hpctrain.parallel.deferred import is_placeholder, materialize, to_device
 from hpctrain.parallel.flat_buffer import FlatUnit
 from hpctrain.parallel.placement import Copies, Placement, entry, global_norm, placement_of
 from hpctrain.parallel.sharded_optim import preserve_elements
-from hpctrain.parallel.sharding.reduction import InFlight
+from hpctrain.parallel.sharding.reduction import InFlight, reduction_buffer_bytes
 from hpctrain.runtime.malloc import release_free_heap
 
 __all__ = ["ShardPlan", "ShardedModel", "broadcast_state", "nbytes", "read_shard_state",
@@ -73,6 +74,9 @@ class ShardPlan:
     # False: an executor (the pipeline's) says when units are gathered, freed and reduced
     # (gather_units / free_units / reduce_units); the gradient hooks only record arrivals.
     hook_reduce: bool = True
+    # Bytes of reduce-scatter piece buffers alive at once (in flight or kept for reuse):
+    # the options' reduce_bucket_size; None: reduction.DEFAULT_BUCKET_BYTES.
+    reduce_bucket_size: int | None = None
 
 
 class _UnitState:
@@ -130,12 +134,15 @@ class ShardedModel(Parallelized):
         self._micro = 0
         self._final = True
         # The one order in which every rank reduces units: backward's usual order (the last
-        # block's first, the root, holding embeddings, last). A hook reduces a complete unit
-        # only when every unit before it in this order is reduced, and the step reduces the
-        # rest in the same order, so ranks whose graphs differ (a branch taken on some ranks
-        # only) still issue the same collectives in the same order: no deadlock, no mismatch.
+        # block's first, the root unit, holding embeddings, last; a model without one, all
+        # blocks, has no root unit). A hook reduces a complete unit only when every unit
+        # before it in this order is reduced, and the step reduces the rest in the same
+        # order, so ranks whose graphs differ (a branch taken on some ranks only) still issue
+        # the same collectives in the same order: no deadlock, no mismatch. (Putting a block
+        # last would keep its gradients alive through the whole backward.)
         n = len(units)
-        self._order = list(range(n - 2, -1, -1)) + [n - 1] if n > 1 else list(range(n))
+        roots = [i for i, u in enumerate(units) if u.name == "<root>"]
+        self._order = [i for i in range(n - 1, -1, -1) if i not in roots] + roots
         # A GatherSchedule's stream closes (reduces) the units in its own canonical order.
         self._streamed = schedule is not None and plan.hook_reduce and not plan.persistent_grads
         if self._streamed:
@@ -143,7 +150,9 @@ class ShardedModel(Parallelized):
             schedule.on_close = self._close
         self._agreed = None  # the step's agreed flags (_agree_flags), for _untouched
         self._next = 0  # position in _order of the next unit to reduce in this backward
-        self._reductions = InFlight(plan.reduce_dtype)
+        self._reductions = InFlight(plan.reduce_dtype, plan.reduce_bucket_size)
+        self._step_buffers = 0  # persistent grads: the step's reduce-scatter transient
+        self._peak_unit_grads = 0  # most full-gradient bytes alive when a reduction starts
         self._grad_bytes = 0
         self._copies_checked = False
         super().__init__(model, make_optimizer([u.shard for u in units]), world.host)
@@ -257,6 +266,11 @@ class ShardedModel(Parallelized):
         group, then the replicas and partial groups (collective; completed at the step)."""
         stages = ([self.replicate] if self.replicate is not None else []) + self.partial
         st.reduced = True
+        # Measured: the full gradients alive now (this unit's, and any that wait for their
+        # unit to complete, as a root unit's head gradient does until the embedding's).
+        self._peak_unit_grads = max(self._peak_unit_grads, nbytes(
+            [s.param.grad for o in self._states for s in o.unit.slots
+             if s.param.grad is not None]))
         self._reductions.start(st.unit, self.comm, stages)
 
     def _sync_grads(self) -> None:
@@ -270,6 +284,9 @@ class ShardedModel(Parallelized):
         for st, again in ((self._states[i], late[i]) for i in self._order):
             u = st.unit
             if self.plan.persistent_grads:
+                if self.comm.size > 1:  # the result and the ring's two chunks: 3 shards
+                    self._step_buffers = max(self._step_buffers, 3 * u.shard_numel *
+                                             st.grad_buf.element_size())
                 u.reduce_grad_buffer(st.grad_buf, self.comm)
                 for c in ([self.replicate] if self.replicate is not None else []) + \
                         self.partial:
@@ -597,14 +614,35 @@ class ShardedModel(Parallelized):
 
     def memory_report(self) -> dict:
         """Bytes this rank holds for trainable params and optimizer state, the gradients alive
-        at the last step, the largest transient buffers (a gathered unit, a gradient bucket)
-        and the frozen (replicated) params; local."""
+        at the last step, the largest transient buffers and the frozen (replicated) params;
+        local. Transients, each measured and beside it the budget its option sets: the
+        gathered units (``peak_gathered``; ``largest_gathered_unit`` + ``prefetch_buffer``, the
+        largest unit ``allgather_bucket_size`` lets backward prefetch), and the overlapped
+        reduction's buffers (``reduce_buffers``: the piece buffers alive at once plus what the
+        backend stages to receive the pieces in flight; ``reduce_buffers_limit`` for the
+        ``reduce_bucket_size``; zero1 reduce-scatters each unit's persistent gradient buffer
+        whole at the step instead: the result and the MPI ring's two chunks, three shards of
+        the largest unit, whatever the bucket). Beside them, where gradients are reduced
+        during backward: ``unit_grads``, the most full-gradient bytes alive when a unit's
+        reduction starts (its own, autograd's output, until the reduction frees them), and
+        ``unit_grads_limit``, the largest unit's (plus the root unit's, which wait for the
+        embedding's; every unit's under gradient accumulation, kept from the first
+        micro-batch to the last one's reduction)."""
         on_demand = self.plan.on_demand
         params = nbytes([u.full for u in self.units if not on_demand] +
                         [u.shard for u in self.units])
         optim = nbytes([v for st in self.optimizer.state.values() for v in st.values()
                         if torch.is_tensor(v)])
         gathered = max(u.full_bytes() for u in self.units) if on_demand else 0
+        red, n = self._reductions, self.comm.size
+        overlapped = not self.plan.persistent_grads and n > 1
+        staged = red.peak_inflight * (n - 1) // n
+        if overlapped:
+            limit = reduction_buffer_bytes(red.bucket, n)
+        elif self.plan.persistent_grads and n > 1:
+            limit = max(3 * u.shard_numel * u.full.element_size() for u in self.units)
+        else:
+            limit = 0
         return {"stage": self.plan.stage, "strategy": self.name, "world_size": self.world.size,
                 "shard_group": self.comm.size,
                 "replicas": self.replicate.size if self.replicate is not None else 1,
@@ -615,8 +653,32 @@ class ShardedModel(Parallelized):
                 "params": params, "grads": self._grad_bytes, "optimizer": optim,
                 "largest_gathered_unit": gathered,
                 "peak_gathered": self.schedule.peak_gathered if self.schedule else 0,
-                "transient_grad_bucket": self._reductions.peak_bytes,
+                "prefetch_buffer": self.schedule.prefetch_buffer if self.schedule else 0,
+                "peak_prefetched": self.schedule.peak_prefetched if self.schedule else 0,
+                "allgather_bucket_size": self.schedule.prefetch_bytes
+                                         if self.schedule and self.schedule.prefetch else 0,
+                "transient_grad_bucket": red.peak_bytes,
+                "reduce_bucket_size": red.bucket if overlapped else 0,
+                "reduce_buffers": red.peak_bytes + staged + self._step_buffers,
+                "reduce_buffers_limit": limit,
+                "unit_grads": self._peak_unit_grads,
+                "unit_grads_limit": self._unit_grads_limit(),
                 "frozen_params": nbytes([p for _, p in self.frozen])}
+
+
+    def _unit_grads_limit(self) -> int:
+        """Full-gradient bytes alive at once where gradients are reduced during backward:
+        the largest unit's, plus the root unit's (the model's own parameters, embeddings
+        and a tied head: complete, so reduced, only when backward reaches the embedding);
+        under gradient accumulation every unit's (the earlier micro-batches accumulate
+        full gradients locally)."""
+        if self.plan.persistent_grads:
+            return 0
+        size = {id(u): u.numel * u.full.element_size() for u in self.units}
+        if self.plan.grad_accum > 1:
+            return sum(size.values())
+        root = sum(size[id(u)] for u in self.units if u.name == "<root>")
+        return root + max((size[id(u)] for u in self.units if u.name != "<root>"), default=0)
 
 
 def _step_partials(u: FlatUnit, copies: list, common: tuple) -> list:

@@ -1,14 +1,15 @@
 """Gradient reduce-scatter of a flat unit, piece by piece: blocking, or overlapped with backward.
 
 A unit's gradients are never packed into one unit-sized buffer: each rank's next elements
-are copied into a piece of at most ``_PIECE_BYTES`` (all ranks' parts together) and that is
-reduce-scattered into the shard gradient, so the transient is bounded by the piece, not by
-the unit.
+are copied into a piece of at most ``_PIECE_BYTES`` and at most the reduce bucket (all ranks'
+parts together) and that is reduce-scattered into the shard gradient, so the transient is
+bounded by the piece, not by the unit: a bucket smaller than a unit splits it.
 
 ``InFlight`` is the overlapped form (Horovod's pattern: start in the hooks, complete in the
 synchronize): ``start`` packs a unit's pieces into buffers of their own and starts them as
-non-blocking ``ireduce_scatter``; the bytes in flight are capped (``_INFLIGHT_BYTES``: a
-piece that would pass the cap first completes the oldest ones); the all-reduces over a
+non-blocking ``ireduce_scatter``; the piece buffers alive at once (in flight or kept for
+reuse) are capped by the reduce bucket (``reduce_bucket_size``, default ``_INFLIGHT_BYTES``:
+a piece that would pass the cap first completes the oldest ones); the all-reduces over a
 unit's replicas and partial groups start when its pieces are complete; ``finish_all``
 completes everything, in start order. What starts next depends only on the order of
 ``start`` calls and byte counts, never on which request happens to be done, so ranks that
@@ -21,10 +22,12 @@ from collections import deque
 
 import torch
 
+from hpctrain.errors import UsageError
 from hpctrain.parallel.flat_buffer import FlatUnit
 from hpctrain.runtime.comm.idle import wait_idle
 
-__all__ = ["InFlight", "reduce_scatter_grads"]
+__all__ = ["InFlight", "reduce_scatter_grads", "reduction_buffer_bytes", "check_bucket_size",
+           "DEFAULT_BUCKET_BYTES"]
 
 # Gradient bytes packed for one reduce-scatter (all ranks' pieces together): bounds the
 # transient next to a unit's gradients; bigger pieces only save a few collective calls...
@@ -39,6 +42,29 @@ _MIN_RANK_PIECE_BYTES = 1 << 18
 # as the MPI backend's pairwise exchange does); more in flight only lets a reduction lag
 # further behind backward.
 _INFLIGHT_BYTES = 1 << 24
+#: The default reduce bucket (``reduce_bucket_size`` of [zero] / [fsdp], bytes).
+DEFAULT_BUCKET_BYTES = _INFLIGHT_BYTES
+
+
+def check_bucket_size(owner: str, table: str, key: str, value) -> None:
+    """Raise UsageError (a ValueError) unless ``value`` (field ``key`` of options class
+    ``owner``, config table ``table``) is a whole number of bytes >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"{owner}.{key} = {value!r}: expected a whole number of bytes >= 1, "
+                         f"e.g. {DEFAULT_BUCKET_BYTES} (16 MiB; --set {table}.{key}=N)")
+
+
+def reduction_buffer_bytes(bucket: int, n: int) -> int:
+    """The most bytes the overlapped reduction over ``n`` ranks holds besides the gradients
+    and their shards, for a reduce bucket of ``bucket`` bytes: the pieces in flight (at most
+    the bucket), their buffers kept for reuse (within the bucket too: one bucket in all), and
+    what the backend stages to receive while they fly, (n-1)/n of each piece in flight (the
+    MPI backend's pairwise exchange). One rank alone reduces nothing. A bucket smaller than
+    one element per rank still lets one piece through (up to 8-byte elements)."""
+    if n <= 1:
+        return 0
+    bucket = max(bucket, 8 * n)
+    return bucket + bucket * (n - 1) // n
 
 
 class _Reduction:
@@ -49,21 +75,30 @@ class _Reduction:
         self.comm = comm        # the shard group
         self.part = None        # the shard gradient the pieces reduce into
         self.left = 0           # its pieces not yet completed
+        self.launched = False   # every piece is started (left == 0 then means all done)
         self.stages = stages    # all-reduces over replicas / partial groups still to start
         self.req = None         # the stage all-reduce in flight
 
 
 class InFlight:
-    """The reductions started in this step (see the module docstring); ``peak_bytes`` is
-    the most piece bytes in flight at once."""
+    """The reductions started in this step (see the module docstring).
 
-    def __init__(self, reduce_dtype: torch.dtype | None = None):
+    ``bucket``: the most bytes of piece buffers alive at once, in flight or kept for reuse
+    (``reduce_bucket_size``; one piece is always let through, so a bucket smaller than one
+    element per rank still reduces). Measured: ``peak_bytes``, the most piece-buffer bytes
+    alive at once, and ``peak_inflight``, the most piece bytes in flight at once (what the
+    backend stages to receive follows it, ``reduction_buffer_bytes``)."""
+
+    def __init__(self, reduce_dtype: torch.dtype | None = None, bucket: int | None = None):
         self.reduce_dtype = reduce_dtype
+        self.bucket = bucket if bucket is not None else _INFLIGHT_BYTES
         self.jobs: list[_Reduction] = []  # started this step, in start order
         self.inflight: deque = deque()    # (reduction, request, bytes, buffer) in flight
         self.spare: list = []             # piece buffers of completed pieces, for reuse
         self.inflight_bytes = 0
+        self.held = 0                     # bytes of piece buffers alive (in flight + spare)
         self.peak_bytes = 0
+        self.peak_inflight = 0
 
     def start(self, unit: FlatUnit, comm, stages: list) -> None:
         """Start reducing the unit's gradients (SUM) into a new shard gradient: non-blocking
@@ -104,17 +139,17 @@ class InFlight:
             u.grad_range(0, size, part, grads)
         else:
             esize = part.element_size()
-            step = _piece_elems(size, n, esize)
+            step = _piece_elems(size, n, esize, self.bucket)
             for a in range(0, size, step):
                 b = min(a + step, size)
                 nb = n * (b - a) * esize
-                self._make_room(nb)
                 buf = self._piece_buffer(n * (b - a), part)
                 _pack(u, grads, a, b, buf.view(n, b - a))
                 self._launch(job, comm.ireduce_scatter(buf, out=part[a:b], op="sum"), nb, buf)
         del grads
         for s in u.slots:
             s.param.grad = None
+        job.launched = True
 
     def _launch(self, job: _Reduction, req, nbytes: int, buf) -> None:
         """Track a started reduce-scatter piece: its bytes in flight and its buffer (reused
@@ -122,12 +157,7 @@ class InFlight:
         job.left += 1
         self.inflight.append((job, req, nbytes, buf))
         self.inflight_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.inflight_bytes)
-
-    def _make_room(self, nbytes: int) -> None:
-        """Complete the oldest pieces in flight until nbytes more fit under the cap."""
-        while self.inflight and self.inflight_bytes + nbytes > _INFLIGHT_BYTES:
-            self._complete_oldest()
+        self.peak_inflight = max(self.peak_inflight, self.inflight_bytes)
 
     def _wait(self, job: _Reduction, req) -> None:
         """Complete req. On CPU ranks poll with naps (``wait_idle``) instead of MPI's busy
@@ -139,21 +169,37 @@ class InFlight:
 
     def _piece_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         """A buffer for one piece: a completed piece's when one fits (a fresh multi-MB
-        tensor page-faults on first touch, every step), else a new one."""
-        for k, buf in enumerate(self.spare):
-            if buf.dtype == like.dtype and buf.device == like.device and buf.numel() >= numel:
-                return self.spare.pop(k)[:numel]
-        return torch.empty(numel, dtype=like.dtype, device=like.device)
+        tensor page-faults on first touch, every step), else a new one once the buffers
+        alive leave room for it under the bucket: spare buffers that do not fit are dropped
+        first, then the oldest pieces in flight are completed (their buffers become spare).
+        Which pieces complete depends only on the sizes started, the same on every rank."""
+        nbytes = numel * like.element_size()
+        while True:
+            for k, buf in enumerate(self.spare):
+                if buf.dtype == like.dtype and buf.device == like.device and buf.numel() >= numel:
+                    return self.spare.pop(k)[:numel]
+            if self.held + nbytes <= self.bucket or not (self.inflight or self.spare):
+                self.held += nbytes
+                self.peak_bytes = max(self.peak_bytes, self.held)
+                return torch.empty(numel, dtype=like.dtype, device=like.device)
+            if self.spare:  # none fits: give the smallest back
+                k = min(range(len(self.spare)), key=lambda j: self.spare[j].numel())
+                dropped = self.spare.pop(k)
+                self.held -= dropped.numel() * dropped.element_size()
+            else:
+                self._complete_oldest()
 
     def _complete_oldest(self) -> None:
         job, req, nb, buf = self.inflight.popleft()
         self._wait(job, req)
         base = buf if buf._base is None else buf._base
-        if len(self.spare) * base.numel() * base.element_size() < _INFLIGHT_BYTES:
-            self.spare.append(base)  # kept for the next pieces (and steps): within the cap
+        self.spare.append(base)  # kept for the next pieces (and steps): counted in held
         self.inflight_bytes -= nb
         job.left -= 1
-        if job.left == 0:  # its shard gradient is reduced over the shard group
+        # Its shard gradient is reduced over the shard group once every piece is started
+        # and complete: a small bucket completes a unit's first pieces while it still
+        # starts its last ones, and the next stage must not read the gradient before them.
+        if job.left == 0 and job.launched:
             self._next_stage(job)
 
     def _next_stage(self, job: _Reduction) -> None:
@@ -177,7 +223,8 @@ class InFlight:
         u.add_shard_grad(part)
 
 
-def reduce_scatter_grads(u: FlatUnit, comm, dtype: torch.dtype | None = None):
+def reduce_scatter_grads(u: FlatUnit, comm, dtype: torch.dtype | None = None,
+                         bucket: int | None = None):
     """Reduce-scatter (SUM over ``comm``) the gradients of a unit's params into a new shard
     gradient, and free the params' .grad; returns (shard gradient, transient buffer bytes).
     Blocking; ``InFlight.start`` starts the same pieces non-blocking.
@@ -195,7 +242,7 @@ def reduce_scatter_grads(u: FlatUnit, comm, dtype: torch.dtype | None = None):
         u.grad_range(0, size, part, grads)
     else:
         esize = part.element_size()
-        step = _piece_elems(size, n, esize)
+        step = _piece_elems(size, n, esize, bucket if bucket is not None else _INFLIGHT_BYTES)
         buf = torch.empty(n * step, dtype=dtype, device=device)
         transient = buf.numel() * esize
         for a in range(0, size, step):
@@ -210,9 +257,11 @@ def reduce_scatter_grads(u: FlatUnit, comm, dtype: torch.dtype | None = None):
     return part, transient
 
 
-def _piece_elems(size: int, n: int, esize: int) -> int:
-    """Elements of each rank's shard per reduce-scatter piece (see _PIECE_BYTES)."""
-    return min(size, max(1, _PIECE_BYTES // (n * esize), _MIN_RANK_PIECE_BYTES // esize))
+def _piece_elems(size: int, n: int, esize: int, bucket: int) -> int:
+    """Elements of each rank's shard per reduce-scatter piece (see _PIECE_BYTES), all ranks'
+    parts together within ``bucket`` bytes (at least one element per rank)."""
+    per_rank = min(max(_PIECE_BYTES // n, _MIN_RANK_PIECE_BYTES), bucket // n)
+    return min(size, max(1, per_rank // esize))
 
 
 def _pack(u: FlatUnit, grads: list, a: int, b: int, piece: torch.Tensor) -> None:

@@ -92,17 +92,22 @@ def _events(root: nn.Module, modules: list) -> list:
     return out
 
 
-def _prefetched(events: list) -> list:
-    """Backward events with each gather moved one gather earlier: the first gather brings
-    the second along, and each later gather happens where the one before it was (BACKWARD_PRE:
-    the next unit's all-gather is issued before this unit's backward computes)."""
+def _prefetched(events: list, fits) -> list:
+    """Backward events with each gather moved one gather earlier when its unit ``fits`` the
+    prefetch budget: the first gather brings the second along, and each later gather happens
+    where the one before it was (BACKWARD_PRE: the next unit's all-gather is issued before
+    this unit's backward computes). A unit that does not fit keeps its own place."""
     opens = [i for kind, i in events if kind == _OPEN]
-    out, slot = [], 0
+    out, slot, moved = [], 0, set()
     for kind, i in events:
         if kind == _CLOSE:
             out.append((kind, i))
             continue
-        out += [(_OPEN, j) for j in (opens[:2] if slot == 0 else opens[slot + 1:slot + 2])]
+        if i not in moved:
+            out.append((_OPEN, i))
+        if slot + 1 < len(opens) and fits(opens[slot + 1]):
+            moved.add(opens[slot + 1])
+            out.append((_OPEN, opens[slot + 1]))
         slot += 1
     return out
 
@@ -116,8 +121,10 @@ class GatherSchedule:
     backward is over (SHARD_GRAD_OP). ``prefetch``: when a unit is re-gathered for backward,
     the unit that backward reaches next is gathered too, so its all-gather is issued before
     this unit's backward computes: non-blocking (``FlatUnit.gather_start``), so it overlaps
-    that backward, and is completed when the unit is needed or freed. ``root``: the model
-    (its forward starts and ends each pass); default the last unit's module (the root unit).
+    that backward, and is completed when the unit is needed or freed; only a unit whose full
+    buffer fits ``prefetch_bytes`` (``allgather_bucket_size``) is gathered ahead, so at most
+    that many bytes are (one unit ahead at a time). ``root``: the model (its forward starts
+    and ends each pass); default the last unit's module (the root unit).
 
     The engine calls ``begin_backward`` / ``finish_backward`` around each backward and
     ``complete(i)`` when unit i's gradients have all arrived; ``on_close(i)`` (set by the
@@ -125,11 +132,14 @@ class GatherSchedule:
     """
 
     def __init__(self, specs, units, reshard_after_forward: bool = True, prefetch: bool = False,
-                 root: nn.Module | None = None):
+                 root: nn.Module | None = None, prefetch_bytes: int | None = None):
         self.units = list(units)
         self.reshard = reshard_after_forward
         self.prefetch = prefetch
+        self.prefetch_bytes = prefetch_bytes  # None: any unit may be gathered ahead
         self.peak_gathered = 0         # most bytes of full buffers gathered at once
+        self.peak_prefetched = 0       # most bytes gathered ahead of need (started, pending)
+        self.prefetch_buffer = 0       # the largest unit the budget lets be gathered ahead
         self.ooo_gathers = 0           # gathers outside the canonical stream (see module doc)
         self.on_close = None           # the engine's reduction of a closed unit
         modules = [spec.module for spec in specs]
@@ -138,8 +148,15 @@ class GatherSchedule:
         self._fwd = [i for kind, i in fwd if kind == _OPEN]  # forward: only gathers collect
         self._fpos = {i: k for k, i in enumerate(self._fwd)}
         bwd = [(_CLOSE if kind == _OPEN else _OPEN, i) for kind, i in reversed(fwd)]
+        fits = [prefetch_bytes is None or u.full_bytes() <= prefetch_bytes for u in units]
+        self._fits = fits  # units the prefetch budget lets be gathered ahead
         if prefetch and reshard_after_forward:
-            bwd = _prefetched(bwd)
+            bwd = _prefetched(bwd, lambda i: fits[i])
+            # Any unit that fits but the first backward needs may be gathered ahead: moved
+            # one gather earlier, or next in the stream already (a unit nested in another).
+            first = next((i for kind, i in bwd if kind == _OPEN), None)
+            self.prefetch_buffer = max((u.full_bytes() for i, u in enumerate(units)
+                                        if fits[i] and i != first), default=0)
         self._bwd = bwd
         self._bopen = {i: k for k, (kind, i) in enumerate(bwd) if kind == _OPEN}
         self._f = 0                    # next forward gather (index into _fwd)
@@ -171,6 +188,11 @@ class GatherSchedule:
         held = sum(u.full_bytes() for u in self.units
                    if (u.gathered or u.pending) and not u.keep_full)
         self.peak_gathered = max(self.peak_gathered, held)
+
+    def _note_ahead(self) -> None:
+        """Track the bytes gathered ahead of need: gathers started and left pending."""
+        ahead = sum(u.full_bytes() for u in self.units if u.pending and not u.keep_full)
+        self.peak_prefetched = max(self.peak_prefetched, ahead)
 
     def _gather_out_of_stream(self, i: int) -> None:
         unit = self.units[i]
@@ -253,7 +275,8 @@ class GatherSchedule:
         # Gathers on the way to unit i's are of units needed later (prefetch): only started.
         self._advance_backward(self._bopen[i] + 1, needed=i)
         self._gather_out_of_stream(i)
-        if self.prefetch and self._b < len(self._bwd) and self._bwd[self._b][0] == _OPEN:
+        if self.prefetch and self._b < len(self._bwd) and self._bwd[self._b][0] == _OPEN \
+                and self._fits[self._bwd[self._b][1]]:
             self._do(self._b, start=True)  # non-blocking: overlaps this unit's backward
         self._voluntary()
 
@@ -292,6 +315,8 @@ class GatherSchedule:
             self.gather(unit, start=True)
             if not start:
                 self.gather(unit)  # needed now: complete it
+            else:
+                self._note_ahead()
             if i not in self.ran and i not in self._needed:
                 unit.free()  # a unit this rank skipped: only its place in the stream
             return
