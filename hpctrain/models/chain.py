@@ -46,7 +46,7 @@ def split_model(model: nn.Module, sample: torch.Tensor | None = None) -> LayerSt
                         f"{_FIX}")
     for recognises, layers_of in _ARCHITECTURES:
         if recognises(model):
-            stack = LayerStack(layers_of(model), tied=shared_parameters(model))
+            stack = LayerStack(layers_of(model), tied=shared_parameters(model), source=model)
             break
     else:
         raise TypeError(f"cannot split {type(model).__name__} into pipeline layers: expected "

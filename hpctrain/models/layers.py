@@ -56,6 +56,9 @@ class LayerStack:
     # Tensor-parallel plan of the whole model (module-name patterns -> styles; see
     # parallel/tensor), when it has one.
     tp_plan: dict = field(default_factory=dict)
+    # The built module these layers were split from (models/chain.py), whose declarations
+    # (a Hugging Face model's config and tensor-parallel plan) describe the stack too.
+    source: object = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.layers)

@@ -102,7 +102,11 @@ class ModelShape:
             if self.tied.get(path) in held:
                 continue  # the alias shares its owner's storage
             n = math.prod(shape)
-            total += n // tp if splits and path in splits else n
+            split = splits.get(path) if splits else None
+            if split is not None and split.padded:  # a padded vocabulary: the most a rank holds
+                total += -(-split.padded // tp) * (n // split.padded)
+            else:
+                total += n // tp if split is not None else n
         return total
 
     def units(self, indices=None, splits=None, tp: int = 1) -> list:
@@ -133,7 +137,7 @@ def gpt_shape(layers: int, hidden: int, heads: int, vocab: int, seq: int) -> Mod
         whole = GPT(vocab, hidden, heads, layers, seq)
     infos = _tensors(stack, whole)
     return ModelShape("gpt", dims.model_options(), infos, dict(stack.tied),
-                      dict(stack.tp_plan), stack, dims)
+                      _declared_plan(stack), stack, dims)
 
 
 def stack_shape(spec: str, options: dict, stack: LayerStack, sample, target=None,
@@ -144,8 +148,19 @@ def stack_shape(spec: str, options: dict, stack: LayerStack, sample, target=None
     nn.Sequential's repeated children), when not the stack's own modules."""
     infos = _tensors(stack, whole)
     _meta_forward(stack, infos, sample, target, loss_fn)
-    return ModelShape(spec, options, infos, dict(stack.tied), dict(stack.tp_plan), stack,
+    return ModelShape(spec, options, infos, dict(stack.tied), _declared_plan(stack), stack,
                       pipelinable=pipelinable)
+
+
+def _declared_plan(stack: LayerStack) -> dict:
+    """The tensor-parallel plan the model declares: the stack's, or that of the model it was
+    split from (a Hugging Face model's own, GPT-2's from parallel/tensor); {} if none."""
+    from hpctrain.parallel.tensor import model_plan
+
+    try:
+        return model_plan(stack)
+    except ValueError:  # a plan hpctrain cannot run: no tensor-parallel plans to offer
+        return {}
 
 
 def shape_of(spec: str, options: dict | None = None) -> ModelShape:
