@@ -13,7 +13,7 @@ from hpctrain.models.layers import LayerStack
 from hpctrain.parallel.tensor import hf_plan
 from hpctrain.parallel.tensor.layers import is_conv1d
 from hpctrain.parallel.tensor.loss import is_cross_entropy
-from hpctrain.parallel.tensor.styles import match_plan, parse_plan
+from hpctrain.parallel.tensor.styles import STYLES, match_plan, parse_plan
 
 __all__ = ["TensorOptions", "Split", "check", "cuts", "model_plan", "vocab_rows"]
 
@@ -188,8 +188,7 @@ def check(model, options: TensorOptions | None, tp: int, loss_fn=None) -> tuple:
     if not plan:
         raise ValueError(f"tensor parallel (tp={tp}): the model {type(model).__name__} has no "
                          f"tensor-parallel plan; give one in [tensor.plan] (module-name "
-                         f"patterns -> colwise, rowwise, vocab_embedding, vocab_head, "
-                         f"sequence_parallel, attention_dropout) or use tp=1")
+                         f"patterns -> {', '.join(STYLES)}) or use tp=1")
     skeleton = _skeleton(model)
     styles = match_plan(parse_plan(plan), [n for n, _ in skeleton.named_modules()])
     for name, module in skeleton.named_modules():
