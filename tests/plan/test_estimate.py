@@ -170,6 +170,10 @@ def test_hugging_face_models_are_priced_layer_by_layer(factory):
     # under the pipeline; the vocabulary (97) padded to a multiple of tp
     assert "tp2 zero3x2" in labels and "pp2:1f1b tp2" in labels
     assert ("tp4" in labels) == (factory == "gpt2_factory")  # Llama: 2 key/value heads
+    # a tp rank's activations are priced by a meta forward of its split: less in each block
+    saved = [[sum(info.saved.values()) for info in layers if info.is_block]
+             for layers in (shape.layers, shape.layers_at(2))]
+    assert all(split < whole for whole, split in zip(*saved))
 
 
 def test_every_candidate_validates_and_impossible_ones_are_left_out():

@@ -3,6 +3,7 @@ and cross-entropy) and sequence parallel, over the mesh's tp group."""
 
 from hpctrain.parallel.tensor.checks import TensorOptions, check, model_plan
 from hpctrain.parallel.tensor.executor import TensorParallel
-from hpctrain.parallel.tensor.transform import prepare
+from hpctrain.parallel.tensor.transform import prepare, split_for_pricing
 
-__all__ = ["TensorOptions", "TensorParallel", "check", "model_plan", "prepare"]
+__all__ = ["TensorOptions", "TensorParallel", "check", "model_plan", "prepare",
+           "split_for_pricing"]

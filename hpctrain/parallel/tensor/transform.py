@@ -31,7 +31,7 @@ from hpctrain.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLi
                                              column_conv1d, is_conv1d, row_conv1d,
                                              swap_class)
 
-__all__ = ["prepare"]
+__all__ = ["prepare", "split_for_pricing"]
 
 
 def _slice_param(module, pname: str, split: Split, tp, cache: dict) -> None:
@@ -144,3 +144,25 @@ def prepare(model, world, mesh, options: TensorOptions | None = None):
         _apply(model, styles, tp, sp, {})
     state = TensorParallel(tp, sp, splits, vocab, mesh.coords["dp"], mesh.size("dp"))
     return model, state
+
+
+class _Alone:
+    """Rank 0 of a tp group of ``size`` whose collectives are identities: the split's shapes
+    without communication."""
+
+    rank = 0
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def allreduce(self, t, op="sum"):
+        return t
+
+
+def split_for_pricing(root: nn.Module, model, tp: int) -> nn.Module:
+    """Split root (a meta-device build of ``model``'s layers) in place as tp rank 0 holds it
+    (the largest share of a padded vocabulary), its collectives identities: what one rank's
+    forward saves, for the planner. ValueError as ``check``'s."""
+    styles = check(model, None, tp)[0]
+    _apply(root, styles, _Alone(tp), False, {})
+    return root
