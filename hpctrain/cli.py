@@ -373,7 +373,7 @@ def _prepare(args, launch):
 
         try:
             check_tensor(built.model, plan_options(cfg, plan.flavour)["tensor"], plan.tp,
-                         built.loss_fn)
+                         built.loss_fn, plan.flavour, plan.dp)
         except ValueError as exc:
             return _fail(rank, str(exc))
     return cfg, built

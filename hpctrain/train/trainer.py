@@ -128,7 +128,7 @@ class Trainer:
 
             try:
                 check_tensor(self.built.model, options["tensor"], self.plan.tp,
-                             self.built.loss_fn)
+                             self.built.loss_fn, self.plan.flavour, self.plan.dp)
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
         if self.plan.pipeline and cfg.pipeline.balance == "measured":

@@ -60,6 +60,13 @@ def test_gpt2_gets_megatrons_plan_with_conv1d_cut_along_its_transposed_dims():
         [(0, 25), (25, 25), (50, 25), (75, 22)]
     with pytest.raises(ValueError, match=r"\(per_rank\): num_heads = 4 does not split over"):
         check(model, None, 8, hf_models.lm_loss)
+    # a padded vocabulary is held unevenly: the sharded dp flavours are refused, ddp is not
+    check(model, None, 4, hf_models.lm_loss, "ddp", 2)
+    check(model, None, 4, hf_models.lm_loss, "zero3", 1)
+    with pytest.raises(ValueError, match=r"with zero3 over dp=2: the vocabulary of 97 \("
+                                         r"lm_head.weight\) is padded to a multiple of tp, so "
+                                         r"the tp ranks hold 25 and 22 rows"):
+        check(model, None, 4, hf_models.lm_loss, "zero3", 2)
 
 
 def test_the_pipelines_layers_keep_the_models_plan():

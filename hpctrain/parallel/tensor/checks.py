@@ -15,7 +15,8 @@ from hpctrain.parallel.tensor.layers import is_conv1d
 from hpctrain.parallel.tensor.loss import is_cross_entropy
 from hpctrain.parallel.tensor.styles import STYLES, match_plan, parse_plan
 
-__all__ = ["TensorOptions", "Split", "check", "cuts", "model_plan", "vocab_rows"]
+__all__ = ["TensorOptions", "Split", "check", "check_sharding", "cuts", "model_plan",
+           "vocab_rows"]
 
 _NEEDS = {"vocab_head": nn.Linear, "vocab_embedding": nn.Embedding,
           "attention_dropout": Dropout}
@@ -178,11 +179,34 @@ def model_plan(model) -> dict:
     return {}
 
 
-def check(model, options: TensorOptions | None, tp: int, loss_fn=None) -> tuple:
+# dp flavours that shard flat buffers of the tp-local parameters over dp
+_SHARDED = ("zero1", "zero2", "zero3", "fsdp")
+
+
+def check_sharding(splits: dict, tp: int, flavour: str, dp: int) -> None:
+    """ValueError when the dp flavour cannot shard the split: the sharded flavours lay the
+    tp-local parameters out in flat buffers that must line up across the tp ranks (their
+    replicated parameters are checked and summed over tp range by range), which a
+    vocabulary padded to a multiple of tp, held unevenly, breaks."""
+    padded = sorted((k, s.padded) for k, s in splits.items() if s.padded)
+    if not padded or dp <= 1 or flavour not in _SHARDED:
+        return
+    key, vocab = padded[0]
+    c = vocab_rows(vocab, tp)
+    raise ValueError(f"tensor parallel over tp={tp} with {flavour} over dp={dp}: the vocabulary "
+                     f"of {vocab} ({key}) is padded to a multiple of tp, so the tp ranks hold "
+                     f"{c} and {vocab - (tp - 1) * c} rows and {flavour}'s flat shards would "
+                     f"not line up across them; use a vocabulary divisible by tp (e.g. "
+                     f"{c * tp}) or the dp flavour ddp")
+
+
+def check(model, options: TensorOptions | None, tp: int, loss_fn=None, flavour: str = "",
+          dp: int = 1) -> tuple:
     """Check model's tensor-parallel plan at degree tp (and, given, that loss_fn can run on
-    vocabulary-parallel logits); return (styles by module name, splits by state_dict key,
-    vocabulary of a vocab_head or None). Pure: every rank raises the same ValueError, before
-    any communication."""
+    vocabulary-parallel logits, and that the dp ``flavour`` over ``dp`` replicas can shard
+    it); return (styles by module name, splits by state_dict key, vocabulary of a
+    vocab_head or None). Pure: every rank raises the same ValueError, before any
+    communication."""
     opts = options or TensorOptions()
     plan = opts.plan or model_plan(model)
     if not plan:
@@ -202,4 +226,5 @@ def check(model, options: TensorOptions | None, tp: int, loss_fn=None) -> tuple:
             f"(vocab_head), so the loss must be the cross-entropy over those logits; the loss "
             f"{name} is not marked as one. Mark a mean token cross-entropy with "
             f"`{name}.cross_entropy = True`, or give the head another style")
+    check_sharding(splits, tp, flavour, dp)
     return styles, splits, vocab
