@@ -462,7 +462,7 @@ def _prepare(args, launch):
 
         try:
             check_tensor(built.model, plan_options(cfg, plan.flavour)["tensor"], plan.tp,
-                         built.loss_fn)
+                         built.loss_fn, plan.flavour, plan.dp)
         except ValueError as exc:
             return _fail(rank, str(exc))
     if plan.domain:  # every op of the forward on two whole samples: made exact or refused

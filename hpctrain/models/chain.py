@@ -55,7 +55,8 @@ def split_model(model: nn.Module, sample: torch.Tensor | None = None) -> LayerSt
     for recognises, layers_of in _ARCHITECTURES:
         if recognises(model):
             inputs = () if layers_of is _generic_layers else _HF_INPUTS
-            stack = LayerStack(layers_of(model), tied=shared_parameters(model), inputs=inputs)
+            stack = LayerStack(layers_of(model), tied=shared_parameters(model), inputs=inputs,
+                               source=model)
             break
     else:
         raise TypeError(f"cannot split {type(model).__name__} into pipeline layers: expected "

@@ -64,6 +64,9 @@ class LayerStack:
     # tensor given to the first layer, the others are side inputs (PipeLayer.side). Empty:
     # the input is one tensor.
     inputs: tuple = ()
+    # The built module these layers were split from (models/chain.py), whose declarations
+    # (a Hugging Face model's config and tensor-parallel plan) describe the stack too.
+    source: object = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.layers)

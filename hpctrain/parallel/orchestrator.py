@@ -225,10 +225,13 @@ def _flavour_text(plan: ParallelPlan) -> str:
 
 def _tensor(plan: ParallelPlan, model, world, options: dict, step: int):
     """The tensor-parallel split of model over the mesh's tp groups."""
-    from hpctrain.parallel.tensor import prepare
+    from hpctrain.parallel.tensor import check_sharding, prepare
 
     mesh = world.mesh(plan.layout)
     model, tensor = prepare(model, world, mesh, options.get("tensor"))
+    # the dp flavour applied next must shard the split alike on the tp ranks (pure: every
+    # rank raises alike, before the flavour communicates)
+    check_sharding(tensor.splits, plan.tp, plan.flavour, plan.dp)
     _log(world, f"transform {step}: tensor: {len(tensor.splits)} weights split over tp="
                 f"{plan.tp} ({_ranks(mesh.comm('tp'))}); sequence parallel "
                 f"{'on' if tensor.sequence_parallel else 'off'}; vocabulary-parallel loss "

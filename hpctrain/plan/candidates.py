@@ -161,8 +161,10 @@ def _check(c: Candidate, req: Request, shape) -> str:
     except ConfigError as exc:
         return str(exc)
     if c.tp > 1:
+        from hpctrain.parallel.tensor import check_sharding
+
         try:
-            shape.tp_splits(c.tp)
+            check_sharding(shape.tp_splits(c.tp), c.tp, c.flavour, c.dp)
         except ValueError as exc:
             return str(exc)
         if c.sequence_parallel and shape.gpt.seq % c.tp:

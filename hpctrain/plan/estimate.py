@@ -219,11 +219,11 @@ def _stage_bytes(shape, stage: list, e: int, c: Candidate, pipeline: bool) -> tu
         full = sum(r[0] for r in rows) + sum(r[2] for r in rows)
         fulls = [r[0] for r in rows]
     else:  # the meta forward's storages (fp32), counted once per stage
-        scale = e / 4
-        loss_saved = shape.layers[last].loss_saved if last in stage else {}
-        union = {k: b for i in stage for k, b in shape.layers[i].saved.items()}
-        rows = [(sum(shape.layers[i].saved.values()) * scale,
-                 shape.layers[i].input_bytes * scale, 0.0) for i in stage]
+        scale, layers = e / 4, shape.layers_at(c.tp)  # a tp rank's share, priced split
+        loss_saved = layers[last].loss_saved if last in stage else {}
+        union = {k: b for i in stage for k, b in layers[i].saved.items()}
+        rows = [(sum(layers[i].saved.values()) * scale,
+                 layers[i].input_bytes * scale, 0.0) for i in stage]
         if rows and loss_saved:  # under checkpointing the loss keeps what it saves itself
             rows[-1] = (rows[-1][0], rows[-1][1], sum(loss_saved.values()) * scale)
         full = sum({**union, **loss_saved}.values()) * scale
@@ -235,7 +235,7 @@ def _stage_bytes(shape, stage: list, e: int, c: Candidate, pipeline: bool) -> tu
     else:  # blocks keep their input, the rest all it saves
         kept = loss
         for i, r in zip(stage, rows):
-            inner = shape.layers[i].inner_blocks
+            inner = shape.layers_at(c.tp)[i].inner_blocks
             if shape.layers[i].is_block:
                 kept += r[1]
             else:  # blocks nested inside: each keeps its input instead of what it saves

@@ -77,6 +77,25 @@ class ModelShape:
     gpt: GPTDims | None = None
     pipelinable: bool = True
     _splits: dict = field(default_factory=dict, repr=False)
+    # (sample, target, loss_fn, whole) of the meta forward that priced ``layers``, to price
+    # a tensor-parallel rank's share again (None: priced by formula, the gpt)
+    _forward: tuple | None = field(default=None, repr=False)
+    _at_tp: dict = field(default_factory=dict, repr=False)
+
+    def layers_at(self, tp: int) -> list:
+        """``layers`` as one rank of a tp split saves them (a meta forward of rank 0's
+        split, the largest); ``layers`` itself at tp = 1 or for a model priced by formula."""
+        if tp == 1 or self._forward is None:
+            return self.layers
+        if tp not in self._at_tp:
+            from hpctrain.parallel.tensor import split_for_pricing
+
+            sample, target, loss_fn, whole = self._forward
+            infos = _tensors(self.stack, whole)
+            _meta_forward(self.stack, infos, sample, target, loss_fn,
+                          split=lambda root: split_for_pricing(root, self.stack, tp))
+            self._at_tp[tp] = infos
+        return self._at_tp[tp]
 
     def tp_splits(self, tp: int) -> dict:
         """{parameter path: Split} the model's tensor-parallel plan cuts at degree tp
@@ -102,7 +121,11 @@ class ModelShape:
             if self.tied.get(path) in held:
                 continue  # the alias shares its owner's storage
             n = math.prod(shape)
-            total += n // tp if splits and path in splits else n
+            split = splits.get(path) if splits else None
+            if split is not None and split.padded:  # a padded vocabulary: the most a rank holds
+                total += -(-split.padded // tp) * (n // split.padded)
+            else:
+                total += n // tp if split is not None else n
         return total
 
     def units(self, indices=None, splits=None, tp: int = 1) -> list:
@@ -133,7 +156,7 @@ def gpt_shape(layers: int, hidden: int, heads: int, vocab: int, seq: int) -> Mod
         whole = GPT(vocab, hidden, heads, layers, seq)
     infos = _tensors(stack, whole)
     return ModelShape("gpt", dims.model_options(), infos, dict(stack.tied),
-                      dict(stack.tp_plan), stack, dims)
+                      _declared_plan(stack), stack, dims)
 
 
 def stack_shape(spec: str, options: dict, stack: LayerStack, sample, target=None,
@@ -144,8 +167,19 @@ def stack_shape(spec: str, options: dict, stack: LayerStack, sample, target=None
     nn.Sequential's repeated children), when not the stack's own modules."""
     infos = _tensors(stack, whole)
     _meta_forward(stack, infos, sample, target, loss_fn)
-    return ModelShape(spec, options, infos, dict(stack.tied), dict(stack.tp_plan), stack,
-                      pipelinable=pipelinable)
+    return ModelShape(spec, options, infos, dict(stack.tied), _declared_plan(stack), stack,
+                      pipelinable=pipelinable, _forward=(sample, target, loss_fn, whole))
+
+
+def _declared_plan(stack: LayerStack) -> dict:
+    """The tensor-parallel plan the model declares: the stack's, or that of the model it was
+    split from (a Hugging Face model's own, GPT-2's from parallel/tensor); {} if none."""
+    from hpctrain.parallel.tensor import model_plan
+
+    try:
+        return model_plan(stack)
+    except ValueError:  # a plan hpctrain cannot run: no tensor-parallel plans to offer
+        return {}
 
 
 def shape_of(spec: str, options: dict | None = None) -> ModelShape:
@@ -216,13 +250,17 @@ def _nbytes(t) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
-def _meta_forward(stack: LayerStack, infos: list, sample, target, loss_fn) -> None:
-    """Fill act/input/output bytes per sample with a forward of one sample on meta."""
+def _meta_forward(stack: LayerStack, infos: list, sample, target, loss_fn,
+                  split=None) -> None:
+    """Fill act/input/output bytes per sample with a forward of one sample on meta
+    (``split``: root -> root as one rank of a model-parallel split holds it)."""
     with torch.device("meta"):
         root = stack.build(range(len(stack)))
     if any(p.device.type != "meta" for p in root.parameters()):
         # layers of an already built model (from_sequential): price a meta copy of it
         root = copy.deepcopy(root).to("meta")
+    if split is not None:
+        root = split(root)
     params = list(root.parameters())
     x = _to_meta(sample)
     if x.is_floating_point():

@@ -177,7 +177,8 @@ class Trainer:
         if self.plan.tensor:  # the split and the loss, checked alike on every rank
             from hpctrain.parallel.tensor import check as check_tensor
 
-            check_tensor(self.built.model, options["tensor"], self.plan.tp, self.built.loss_fn)
+            check_tensor(self.built.model, options["tensor"], self.plan.tp, self.built.loss_fn,
+                         self.plan.flavour, self.plan.dp)
         if self.plan.pipeline and cfg.pipeline.balance == "measured":
             n = t.global_batch_size // (t.grad_accum * cfg.pipeline.microbatches)
             x, y = collate(self.built.dataset, range(max(1, n)))

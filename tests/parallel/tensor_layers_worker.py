@@ -6,8 +6,10 @@ On every tp group of this world size (tp = world size; at 4 ranks also tp=2 x dp
    its forward (tests/adjoint.py), alone where its spaces allow it, composed otherwise;
 2. layers split by ``prepare`` (column/row-parallel linears, a fused qkv, an MLP, the
    vocabulary-parallel embedding, the sequence-split position embedding, the vocab head
-   with its loss, the vocabulary-parallel cross-entropy itself, a whole tiny GPT): forward
-   and every gradient equal the unsplit module's, sequence parallel off and on;
+   with its loss, the vocabulary-parallel cross-entropy itself, a whole tiny GPT; Hugging
+   Face Conv1D column/row/fused qkv; a vocabulary of 23 padded to a multiple of tp, the
+   embedding with a padding_idx): forward and every gradient equal the unsplit module's,
+   sequence parallel off and on;
 3. the collectives of one transformer block, forward and backward, logged by a recording
    communicator: exactly Megatron's 2 + 2 all-reduces (no SP) or 2 + 2 all-gathers and 2 + 2
    reduce-scatters (SP) of b*s*h elements each, the same bytes on the wire, nothing else
@@ -64,6 +66,13 @@ def cols(t, r, n, dim=-1, parts=1):
     """Rank r's slice of t along dim when dim holds ``parts`` equal parts, each split in n."""
     return torch.cat([c.narrow(dim, r * (c.shape[dim] // n), c.shape[dim] // n)
                       for c in t.chunk(parts, dim)], dim)
+
+
+def pcols(t, r, n):
+    """Rank r's rows of a vocabulary padded to a multiple of n, along the last dim."""
+    v = t.shape[-1]
+    c = -(-v // n)
+    return t[..., min(r * c, v):min((r + 1) * c, v)]
 
 
 def rand(*shape, seed):
@@ -205,9 +214,49 @@ def layers(mesh):
         tgt = torch.randint(0, vocab, (B, S), generator=torch.Generator().manual_seed(4))
         check_layer("vocab_head + lm_loss", head, {"0": "vocab_head"}, sp, mesh, x, seq, feat,
                     target=tgt)
+        conv1d(mesh, sp, x, seq, feat)
+        padded_vocab(mesh, sp, x, seq)
         for dropout in (0.0, 0.1):
             gpt(mesh, sp, dropout)
     cross_entropy(tp)
+
+
+def conv1d(mesh, sp, x, seq, feat):
+    """Hugging Face Conv1D (weight (in, out)): column, fused qkv by whole heads, row."""
+    from transformers.pytorch_utils import Conv1D
+
+    r, n = mesh.comm("tp").rank, mesh.comm("tp").size
+    torch.manual_seed(16)
+    qkv = nn.Sequential(Conv1D(3 * H, H))
+    nn.init.normal_(qkv[0].bias)
+    check_layer("conv1d colwise", qkv, {"0": "colwise"}, sp, mesh, x, seq, feat)
+    check_layer("conv1d colwise qkv", qkv, {"0": {"style": "colwise", "parts": 3, "heads": n}},
+                sp, mesh, x, seq, lambda t: cols(t, r, n, parts=3))
+    torch.manual_seed(17)
+    row = nn.Sequential(Conv1D(H, 2 * H))
+    nn.init.normal_(row[0].bias)
+    check_layer("conv1d rowwise", row, {"0": "rowwise"}, sp, mesh, rand(B, S, 2 * H, seed=2),
+                feat, seq)
+
+
+def padded_vocab(mesh, sp, x, seq):
+    """A vocabulary of 23 (no tp divides it): rank r holds rows [r c, (r+1) c) that exist,
+    c = ceil(23 / tp); the embedding's padding_idx row gets no gradient on its owner."""
+    r, n = mesh.comm("tp").rank, mesh.comm("tp").size
+    vocab, c = 23, -(-23 // n)
+    g = torch.Generator().manual_seed(7)
+    idx = torch.randint(0, vocab, (B, S), generator=g)
+    idx[0, :4] = torch.tensor([c - 1, c, vocab - 1, 5])  # slice edges, the padding row
+    torch.manual_seed(18)
+    check_layer("padded vocab_embedding padding_idx=5", nn.Sequential(
+        nn.Embedding(vocab, H, padding_idx=5)), {"0": "vocab_embedding"}, sp, mesh, idx,
+        lambda t: t, seq)
+    torch.manual_seed(19)
+    head = nn.Sequential(nn.Linear(H, vocab))
+    tgt = torch.randint(0, vocab, (B, S), generator=g)
+    tgt[0, :3] = torch.tensor([c - 1, c, vocab - 1])
+    check_layer("padded vocab_head + lm_loss", head, {"0": "vocab_head"}, sp, mesh, x, seq,
+                lambda t: pcols(t, r, n), target=tgt)
 
 
 def cross_entropy(tp):

@@ -1,7 +1,11 @@
 """Tensor parallel (and sequence parallel) reproduces single-process training: the built-in
 gpt at tp=2 and tp=4 with sequence parallel on and off, dropout 0 and 0.1; tp=2 x dp=2 under
 every data-parallel flavour; tp=2 x pp=2; dp=2 x pp=2 x tp=2 at 8 ranks; the awkward model
-with a user TP plan from a TOML file. fp32, 20 steps, sgd and adamw, losses and parameter
+with a user TP plan from a TOML file. Hugging Face models (tiny, random init, vocabulary 97:
+padded to a multiple of tp): GPT-2 (pad_token_id set) at tp=2 and tp=4 from the plan
+hpctrain writes for it, Llama with a padding_idx embedding at pp=2 x tp=2 from its own plan;
+their final parameters are one process's, checkpointed with the real vocabulary, and the
+tp=4 checkpoint resumes on one process. fp32, 20 steps, sgd and adamw, losses and parameter
 norm within rtol 1e-5 of one process (clipping cases: the global norm counts every element
 once across tp, pp and dp).
 
@@ -86,7 +90,21 @@ CKPT = [("ck-pp2tp2", 4, ["--strategy", "pipeline", "--mesh", "pp=2,tp=2"] + _sp
          10, None, ()),
         ("ck-zero3-single", None, [], STEPS, "ck-tp2dp2-zero3", ("ck-tp2dp2-zero3",))]
 CK_KEY = ("adamw", 0.0, False)
+# Hugging Face models: id -> (ranks, model, flags); every run checkpoints its final state
+HF_MODELS = {"gpt2": "tests.fixtures.hf_models:gpt2_tp_factory",
+             "llama": "tests.fixtures.hf_models:llama_pp_tp_factory"}
+HF_CASES = {"gpt2-tp2": (2, "gpt2", ["--strategy", "tensor"]),
+            "gpt2-tp4": (4, "gpt2", ["--strategy", "tensor"]),
+            "llama-pp2tp2": (4, "llama", ["--strategy", "pipeline", "--mesh", "pp=2,tp=2",
+                                          "--set", "pipeline.microbatches=2"])}
 STATE_SCRIPT = str(Path(__file__).with_name("tensor_state_script.py"))
+
+
+def _hf(model, ck_dir, every=STEPS):
+    """A Hugging Face case's flags: its final state (and every ``every`` steps) saved."""
+    return ["--model", HF_MODELS[model], "--global-batch-size", "8", "--optimizer", "adamw",
+            "--lr", "0.003", "--checkpoint-dir", str(ck_dir), "--checkpoint-every", str(every),
+            "--keep", "0", "--steps", str(STEPS)] + COMMON
 
 
 def _ref_id(key):
@@ -120,6 +138,14 @@ def results(tmp_path_factory):
             ck += ["--resume", str(tmp / src / f"ckpt-{saved_at[src]:06d}.h5")]
         steps.append({"id": cid, "world": ranks, "after": list(after),
                       "argv": _gpt(*CK_KEY) + COMMON + flags + ck + ["--steps", str(n)]})
+    for cid, (ranks, model, flags) in [(f"ref-{m}", (None, m, [])) for m in HF_MODELS] + \
+            list(HF_CASES.items()):
+        every = 10 if cid == "gpt2-tp4" else STEPS  # its step 10 resumes on one process
+        steps.append({"id": cid, "world": ranks, "argv": _hf(model, tmp / cid, every) + flags})
+    # the tp=4 run's step-10 checkpoint (vocabulary 97 over 4 ranks of 25 rows) on one process
+    steps.append({"id": "gpt2-tp4-single", "world": None, "after": ["gpt2-tp4"],
+                  "argv": _hf("gpt2", tmp / "gpt2-tp4-single") + [
+                      "--resume", str(tmp / "gpt2-tp4" / "ckpt-000010.h5")]})
     for ranks in (2, 4, 8):
         steps.append({"id": f"state-{ranks}", "world": ranks, "script": STATE_SCRIPT})
     res = run_steps(tmp, steps, order=[None, 2, 4, 8])
@@ -161,6 +187,37 @@ def test_dropout_masks_matter(results):
     a = _ok(results, _ref_id(("adamw", 0.1, False)))["losses"]
     b = _ok(results, _ref_id(("adamw", 0.0, False)))["losses"]
     assert max(abs(x - y) for x, y in zip(a, b)) > 1e-3
+
+
+def _model_state(path) -> dict:
+    with h5py.File(path, "r") as f:
+        return {k: np.asarray(f["model"][k]) for k in f["model"]}
+
+
+@pytest.mark.parametrize("cid", HF_CASES)
+def test_hugging_face_models_match_single(results, cid):
+    """Losses and every final parameter (the vocabulary's 97 rows whatever tp) are one
+    process's; Llama's padding row stays zero (its owner keeps its gradient zero)."""
+    ranks, model, _ = HF_CASES[cid]
+    got, ref = _ok(results, cid), _ok(results, f"ref-{model}")
+    assert got["world_size"] == ranks and "tensor" in got["strategy"], got["strategy"]
+    _same(got, ref, cid)
+    tmp, final = results["_tmp"], f"ckpt-{STEPS:06d}.h5"
+    mine, want = _model_state(tmp / cid / final), _model_state(tmp / f"ref-{model}" / final)
+    assert sorted(mine) == sorted(want)
+    for k, v in want.items():
+        assert mine[k].shape == v.shape, k
+        # atol: as in test_export_is_the_whole_model, AdamW's steps on elements whose
+        # gradient is (near) rounding noise: GPT-2's attention key biases get exactly zero
+        np.testing.assert_allclose(mine[k], v, rtol=1e-5, atol=2e-5, err_msg=f"{cid} {k}")
+    emb = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight"}[model]
+    assert mine[emb].shape[0] == 97
+    if model == "llama":
+        assert not mine[emb][1].any()  # pad_token_id = 1
+
+
+def test_a_padded_vocabulary_checkpoint_resumes_on_one_process(results):
+    _same(_ok(results, "gpt2-tp4-single"), _ok(results, "ref-gpt2"), "gpt2-tp4-single")
 
 
 @pytest.mark.parametrize("cid", AWKWARD_CASES)

@@ -36,7 +36,7 @@ def test_tensor_parallel_matches_one_process(n):
     meshes = 1 if n == 2 else 2  # tp=n; at 4 ranks also tp=2 x dp=2
     assert f"tensor worker done on {n} ranks" in out, out
     assert f"tensor adjoints ok: {13 * meshes} operators, {meshes} rejected" in out, out
-    assert (f"tensor layers ok: {20 * meshes} layers, {3 * meshes} cross-entropies, "
+    assert (f"tensor layers ok: {30 * meshes} layers, {3 * meshes} cross-entropies, "
             f"{4 * meshes} gpts ({2 * meshes} with dropout)") in out, out
     assert f"tensor collectives ok: {4 * meshes} blocks" in out, out
     assert f"tensor memory ok: {4 * meshes} splits, {5 * meshes} regions" in out, out
@@ -89,9 +89,29 @@ BAD = {
     "hidden-rowwise": (lambda: _mlp(hidden=10, inner=10), 4, {"2": "rowwise"},
                        "tensor parallel over tp=4: module '2' (rowwise): 10 input features do "
                        "not split over tp=4; use sizes divisible by tp"),
-    "vocab": (GPT, 2, None,
-              "tensor parallel over tp=2: module 'tok_emb' (vocab_embedding): a vocabulary of "
-              "67 does not split over tp=2; use a vocabulary size divisible by tp (e.g. 68)"),
+    "vocab-too-small": (lambda: GPT(vocab=5), 4, None,
+                        "tensor parallel over tp=4: module 'tok_emb' (vocab_embedding): a "
+                        "vocabulary of 5 padded to a multiple of tp (2 rows per rank) leaves the "
+                        "last of the tp=4 ranks no rows; use a smaller tp or a larger "
+                        "vocabulary"),
+    "max-norm": (lambda: nn.Sequential(nn.Embedding(8, 4, max_norm=1.0)), 2,
+                 {"0": "vocab_embedding"},
+                 "tensor parallel over tp=2: module '0' (vocab_embedding): a max_norm embedding "
+                 "renormalises the rows it looks up, which a split cannot do as one process; "
+                 "set max_norm=None or give it no style"),
+    "per-rank-without-the-attribute": (_mlp, 2, {"0": {"style": "per_rank",
+                                                       "divide": ["num_heads"]}},
+                                       "tensor parallel over tp=2: module '0' (per_rank): "
+                                       "Linear has no integer attribute 'num_heads' (got None); "
+                                       "name the attributes that count what tp splits (heads, "
+                                       "features) in 'divide'"),
+    "per-rank-not-dividing": (_mlp, 4, {"0": {"style": "per_rank", "divide": ["out_features"]}},
+                              "tensor parallel over tp=4: module '0' (per_rank): out_features "
+                              "= 30 does not split over tp=4; use sizes divisible by tp"),
+    "per-rank-without-divide": (_mlp, 2, {"0": "per_rank"},
+                                "tensor plan entry '0': per_rank needs 'divide', a list of the "
+                                "module's integer attributes that tp divides (e.g. "
+                                "[\"num_heads\"]), got []"),
     "pattern-matches-nothing": (lambda: GPT(vocab=68), 2,
                                 {**tp_plan(4), "blocks.*.attn.qkvv": "colwise"},
                                 "tensor plan pattern 'blocks.*.attn.qkvv' matches no module of "
@@ -99,11 +119,12 @@ BAD = {
     "no-plan": (_mlp, 2, None,
                 "tensor parallel (tp=2): the model Sequential has no tensor-parallel plan; give "
                 "one in [tensor.plan] (module-name patterns -> colwise, rowwise, "
-                "vocab_embedding, vocab_head, sequence_parallel, attention_dropout) or use tp=1"),
+                "vocab_embedding, vocab_head, sequence_parallel, attention_dropout, per_rank) or "
+                "use tp=1"),
     "colwise-on-layernorm": (lambda: GPT(vocab=68), 2, {**tp_plan(4), "blocks.*.ln1": "colwise"},
-                             "tensor plan: style colwise applies to torch.nn.Linear, but "
-                             "module 'blocks.0.ln1' is a LayerNorm; give it another style or "
-                             "none"),
+                             "tensor plan: style colwise applies to torch.nn.Linear or a Hugging "
+                             "Face Conv1D, but module 'blocks.0.ln1' is a LayerNorm; give it "
+                             "another style or none"),
     "attention-dropout-on-linear": (_mlp, 2, {"0": "attention_dropout"},
                                     "tensor plan: style attention_dropout applies to "
                                     "hpctrain.models.dropout.Dropout, but module '0' is a Linear; "
@@ -115,7 +136,7 @@ BAD = {
     "unknown-style": (_mlp, 2, {"0": "columnwise"},
                       "tensor plan entry '0': unknown style 'columnwise'; expected one of "
                       "colwise, rowwise, vocab_embedding, vocab_head, sequence_parallel, "
-                      "attention_dropout"),
+                      "attention_dropout, per_rank"),
     "parts-on-rowwise": (_mlp, 2, {"2": {"style": "rowwise", "parts": 2}},
                          "tensor plan entry '2': parts/heads apply to the colwise style only, "
                          "not rowwise"),

@@ -197,6 +197,14 @@ def test_hugging_face_models_are_priced_layer_by_layer(factory):
     assert all(layer.saved for layer in shape.layers if layer.is_block)
     labels = [c.label() for c in candidates(shape, Request(4, 4, 1, global_batch=16))[0]]
     assert "pp2:1f1b ddpx2" in labels and "pp4:1f1b" in labels
+    # tensor parallel from the model's plan (Llama's own, GPT-2's from hpctrain), alone and
+    # under the pipeline; the vocabulary (97) padded to a multiple of tp
+    assert "tp2 ddpx2" in labels and "pp2:1f1b tp2" in labels
+    assert ("tp4" in labels) == (factory == "gpt2_factory")  # Llama: 2 key/value heads
+    # a tp rank's activations are priced by a meta forward of its split: less in each block
+    saved = [[sum(info.saved.values()) for info in layers if info.is_block]
+             for layers in (shape.layers, shape.layers_at(2))]
+    assert all(split < whole for whole, split in zip(*saved))
 
 
 def test_every_candidate_validates_and_impossible_ones_are_left_out():
@@ -206,11 +214,19 @@ def test_every_candidate_validates_and_impossible_ones_are_left_out():
     labels = [c.label() for c in ok]
     assert "zero3" in labels and "pp4:1f1b" in labels and "tp2+sp zero1x2" in labels
     assert all(c.pp <= len(shape.layers) for c in ok)
-    # a vocabulary tp cannot split: no tensor-parallel plan, the tensor check's reason
-    odd = gpt_shape(**{**TINY, "vocab": 67})
+    # heads tp cannot split: no tensor-parallel plan, the tensor check's reason
+    odd = gpt_shape(**{**TINY, "heads": 3})
     ok, refused = candidates(odd, req)
     assert not [c for c in ok if c.tp > 1]
-    assert any("vocabulary of 67" in why for c, why in refused if c.tp > 1)
+    assert any("3 attention heads do not split" in why for c, why in refused if c.tp > 1)
+    # a vocabulary no tp divides is padded to a multiple of tp: those plans run
+    # (the sharded dp flavours refuse it: their flat shards must line up across tp)
+    ok, refused = candidates(gpt_shape(**{**TINY, "vocab": 67}), req)
+    assert {c.tp for c in ok} == {1, 2, 4}
+    assert "tp2 ddpx2" in [c.label() for c in ok]
+    assert {c.label() for c, why in refused if "flat shards" in why} == {
+        f"tp2{sp} {f}x2" for sp in ("", "+sp")
+        for f in ("zero1", "zero2", "zero3", "fsdp", "fsdp:SHARD_GRAD_OP")}
 
 
 def test_pipeline_batch_must_divide_into_micro_batches():

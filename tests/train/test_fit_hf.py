@@ -3,7 +3,8 @@ torch DataLoader, AdamW and warm-up + cosine follow one process under ddp, zero3
 the pipeline (pp=2) at 2 ranks, with equal validation losses. Also: the plain
 GPT2LMHeadModel, whose forward returns a ModelOutput, trains with one loss on
 ``output.logits`` (the pipeline's last stage returns the same type); Llama trains under
-tensor parallel (tp=2) from the plan the HF model carries (model._tp_plan, translated); a
+tensor parallel (tp=2) from the plan the HF model carries (model._tp_plan, translated), and
+GPT-2 from the one hpctrain writes for it (its vocabulary of 97 padded to a multiple of tp); a
 fit stopped mid-epoch and resumed from its checkpoint reproduces the uninterrupted one (the
 schedule included), under single and zero3; padded batches (plain HF models called with
 input_ids and attention_mask, labels -100 at the padding) under zero3 and tensor parallel,
@@ -17,7 +18,7 @@ import torch
 from tests.mpirun import run_worker_json
 
 WORKER = "tests/train/fit_hf_worker.py"
-PLANS = {"gpt2": ["zero3", "pipeline", "ddp", "fsdp"],
+PLANS = {"gpt2": ["zero3", "pipeline", "ddp", "fsdp", "tensor"],
          "llama": ["ddp", "zero3", "fsdp", "pipeline"],
          "gpt2-output": ["pipeline", "zero3"], "llama-tp": ["tensor"],
          "gpt2-padded": ["zero3"], "llama-padded": ["tensor"], "gpt2-padded-ids": ["pipeline"]}

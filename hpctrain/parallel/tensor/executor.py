@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from hpctrain.parallel.tensor.checks import Split
+from hpctrain.parallel.tensor.checks import Split, vocab_rows
 from hpctrain.parallel.tensor.loss import is_cross_entropy, vocab_parallel_cross_entropy
 
 __all__ = ["TensorParallel"]
@@ -32,7 +32,9 @@ class TensorParallel:
         if not is_cross_entropy(loss_fn):
             raise ValueError(f"tensor parallel: loss {loss_fn!r} cannot run on "
                              f"vocabulary-parallel logits (see transform.check)")
-        tp, start = self.tp, self.tp.rank * (self.vocab // self.tp.size)
+        # rank r's logits are the ids [r c, r c + its rows) of the padded vocabulary
+        tp = self.tp
+        start = min(tp.rank * vocab_rows(self.vocab, tp.size), self.vocab)
 
         def loss(output, targets):  # a Hugging Face output holds its logits
             logits = getattr(output, "logits", output)
@@ -75,6 +77,14 @@ class TensorParallel:
 
 
 def _assemble(t: torch.Tensor, split: Split, tp) -> torch.Tensor:
+    if split.padded:  # uneven rows: each rank's padded to ceil(V/tp), the padding cut off
+        d, c = split.dim, vocab_rows(split.padded, tp.size)
+        local = t.detach().movedim(d, 0)
+        full = local.new_zeros((c,) + tuple(local.shape[1:]))
+        full[:local.shape[0]] = local
+        pieces = tp.allgather(full.reshape(1, -1).contiguous())
+        whole = torch.cat([p.reshape(full.shape) for p in pieces])[:split.padded]
+        return whole.movedim(0, d).contiguous()
     pieces = tp.allgather(t.detach().reshape(1, -1).contiguous())
     d, shape = split.dim, tuple(t.shape)
     per = shape[d] // split.parts

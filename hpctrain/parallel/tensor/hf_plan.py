@@ -6,6 +6,11 @@ Translating it lets ``strategy="tensor"`` take such a model as it is, with no [t
 the attention projections keep whole heads (the config's head counts), the embedding and
 output head split over the vocabulary and the loss becomes the vocabulary-parallel
 cross-entropy. A style with no hpctrain equivalent is an error naming it, never a guess.
+
+GPT-2 declares no plan; it gets Megatron-LM's here: the fused ``c_attn`` (q, k, v
+concatenated along its outputs) split as 3 parts of whole heads, ``c_proj`` and the MLP
+column/row-wise (its ``Conv1D`` layers are transposed Linears), the embedding and the tied
+head over the vocabulary, and each attention's head count and q/k/v width per rank.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ def plan_of(model) -> dict | None:
     """hpctrain's plan for a Hugging Face ``model`` (None: it carries none); ValueError for
     a style that hpctrain cannot run."""
     hf, config = getattr(model, "_tp_plan", None), getattr(model, "config", None)
+    if getattr(config, "model_type", None) == "gpt2":
+        return _gpt2_plan(model, config)
     if not isinstance(hf, dict) or not hf or config is None:
         return None
     unknown = sorted({str(v) for v in hf.values() if v not in _STYLES})
@@ -44,3 +51,22 @@ def _heads(pattern: str, config) -> int:
     if last in ("k_proj", "v_proj"):
         return int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     return 0
+
+
+def _gpt2_plan(model, config) -> dict | None:
+    """Megatron-LM's split of a GPT-2 (GPT2LMHeadModel, GPT2Model, ...); None when its
+    blocks are not where GPT-2 has them."""
+    body = "transformer." if hasattr(model, "transformer") else ""
+    if not hasattr(getattr(model, "transformer", model), "h"):
+        return None
+    block = f"{body}h.*"
+    plan = {f"{body}wte": "vocab_embedding",
+            f"{block}.attn": {"style": "per_rank", "divide": ["split_size", "num_heads"]},
+            f"{block}.attn.c_attn": {"style": "colwise", "parts": 3,
+                                     "heads": int(config.n_head)},
+            f"{block}.attn.c_proj": "rowwise",
+            f"{block}.mlp.c_fc": "colwise",
+            f"{block}.mlp.c_proj": "rowwise"}
+    if hasattr(model, "lm_head"):
+        plan["lm_head"] = "vocab_head"
+    return plan

@@ -20,7 +20,18 @@ A plan comes from the model (``model.tp_plan``, as the built-in gpt has; a Layer
 - ``sequence_parallel``: a module run on sequence chunks when sequence parallel is on
   (LayerNorm, residual dropout, the position embedding, whose output is then cut);
 - ``attention_dropout``: a models.dropout.Dropout on attention probabilities (batch, heads,
-  query, key): its mask is cut to this rank's heads.
+  query, key): its mask is cut to this rank's heads;
+- ``per_rank``: a module whose integer attributes named in ``divide`` count what the split
+  cuts (an attention's heads, the width it splits its fused projection at): each rank's are
+  the whole model's / tp, e.g. Hugging Face GPT-2's
+  ``{ style = "per_rank", divide = ["split_size", "num_heads"] }``.
+
+``colwise`` and ``rowwise`` also take a Hugging Face ``Conv1D`` (GPT-2's projections: a
+Linear whose weight is stored transposed, (in, out)). The vocabulary of ``vocab_embedding``
+and ``vocab_head`` need not divide by tp: it is padded to a multiple of tp, as Megatron-LM's
+``make-vocab-size-divisible-by``, and rank r holds rows [r c, (r+1) c) of the padded
+vocabulary (c = ceil(vocab / tp)) that exist: the padding is held by no rank, so it has no
+logits, no gradient and no place in a checkpoint.
 """
 
 from __future__ import annotations
@@ -31,7 +42,7 @@ from dataclasses import dataclass
 __all__ = ["STYLES", "Style", "parse_plan", "match_plan"]
 
 STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head", "sequence_parallel",
-          "attention_dropout")
+          "attention_dropout", "per_rank")
 
 
 @dataclass(frozen=True)
@@ -39,6 +50,7 @@ class Style:
     kind: str
     parts: int = 1
     heads: int = 0
+    divide: tuple = ()
 
 
 def _style(pattern: str, value) -> Style:
@@ -48,10 +60,11 @@ def _style(pattern: str, value) -> Style:
     if not isinstance(value, dict) or "style" not in value:
         raise ValueError(f"{where}: expected a style name or a table with 'style' (one of "
                          f"{', '.join(STYLES)}), got {value!r}")
-    unknown = set(value) - {"style", "parts", "heads"}
+    unknown = set(value) - {"style", "parts", "heads", "divide"}
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; a style "
-                         f"takes 'parts' and 'heads' (colwise only)")
+                         f"takes 'parts' and 'heads' (colwise only) or 'divide' (per_rank "
+                         f"only)")
     kind = value["style"]
     if kind not in STYLES:
         raise ValueError(f"{where}: unknown style {kind!r}; expected one of {', '.join(STYLES)}")
@@ -61,7 +74,14 @@ def _style(pattern: str, value) -> Style:
                          f"parts={parts!r} heads={heads!r}")
     if kind != "colwise" and (parts != 1 or heads):
         raise ValueError(f"{where}: parts/heads apply to the colwise style only, not {kind}")
-    return Style(kind, parts, heads)
+    divide = value.get("divide", [])
+    if kind == "per_rank" and not (isinstance(divide, (list, tuple)) and divide and
+                                   all(isinstance(a, str) and a for a in divide)):
+        raise ValueError(f"{where}: per_rank needs 'divide', a list of the module's integer "
+                         f"attributes that tp divides (e.g. [\"num_heads\"]), got {divide!r}")
+    if kind != "per_rank" and divide:
+        raise ValueError(f"{where}: divide applies to the per_rank style only, not {kind}")
+    return Style(kind, parts, heads, tuple(divide))
 
 
 def _regex(pattern: str) -> re.Pattern:

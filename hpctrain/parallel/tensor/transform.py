@@ -8,11 +8,14 @@ The dp flavour applied next reads those placements to sum, norm, clip and checkp
 plan is checked first (checks.py); what the run needs afterwards is executor.py's.
 
 A whole nn.Module is split in place; a LayerStack (the pipeline builds its stages lazily)
-gets layers whose ``build`` splits what they build, so each stage is born tensor-parallel.
+gets layers whose ``build`` splits what they build, so each stage is born tensor-parallel
+(a stack split from a built model hands out that model's modules at every build: each is
+split once).
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 
 from torch import nn
@@ -20,14 +23,15 @@ from torch import nn
 from hpctrain.models.dropout import Dropout
 from hpctrain.models.layers import LayerStack, PipeLayer
 from hpctrain.parallel.placement import Copies, Placement, place, placement_of
-from hpctrain.parallel.tensor.checks import Split, TensorOptions, check
+from hpctrain.parallel.tensor.checks import Split, TensorOptions, check, cuts, vocab_rows
 from hpctrain.parallel.tensor.executor import TensorParallel
 from hpctrain.parallel.deferred import is_placeholder, sliced_placeholder, to_device
 from hpctrain.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear,
                                              SequenceSplitEmbedding, VocabParallelEmbedding,
+                                             column_conv1d, is_conv1d, row_conv1d,
                                              swap_class)
 
-__all__ = ["prepare"]
+__all__ = ["prepare", "split_for_pricing"]
 
 
 def _slice_param(module, pname: str, split: Split, tp, cache: dict) -> None:
@@ -38,21 +42,21 @@ def _slice_param(module, pname: str, split: Split, tp, cache: dict) -> None:
     r, n, d = tp.rank, tp.size, split.dim
     shape = tuple(p.shape)
     per = shape[d] // split.parts
-    c = per // n
+    first, c = split.rows(r, n, per)  # a padded vocabulary: the last rank may hold fewer
     viewed = shape[:d] + (split.parts, per) + shape[d + 1:]
     local_shape = shape[:d] + (split.parts * c,) + shape[d + 1:]
     tp_group = (Copies("tp", tp, partial=False),)
     if split.parts == 1:
-        offset = tuple(r * c if i == d else 0 for i in range(len(shape)))
+        offset = tuple(first if i == d else 0 for i in range(len(shape)))
         placement = Placement(shape, offset, sliced_over=tp_group)
     else:
         count = shape[:d] + (split.parts, c) + shape[d + 1:]
-        offset = tuple(r * c if i == d + 1 else 0 for i in range(len(viewed)))
+        offset = tuple(first if i == d + 1 else 0 for i in range(len(viewed)))
         placement = Placement(shape, offset, sliced_over=tp_group, view=(viewed, count))
     if is_placeholder(p):  # deferred init: cut the placeholder; the values come when kept
         new = sliced_placeholder(p, local_shape, placement)
     else:
-        local = p.detach().reshape(viewed).narrow(d + 1, r * c, c)
+        local = p.detach().reshape(viewed).narrow(d + 1, first, c)
         new = nn.Parameter(local.reshape(local_shape).clone(), requires_grad=p.requires_grad)
         place(new, placement)
     cache[id(p)] = new
@@ -73,19 +77,20 @@ def _apply(root: nn.Module, styles: dict, tp, sp: bool, cache: dict, prefix: str
     for local_name, module in root.named_modules(prefix=prefix):
         style = styles.get(local_name)
         kind = style.kind if style else None
+        for pname, split in (cuts(style, module, n) if style else {}).items():
+            if getattr(module, pname, None) is not None:
+                _slice_param(module, pname, split, tp, cache)
         if kind in ("colwise", "vocab_head"):
-            _slice_param(module, "weight", Split(0, style.parts), tp, cache)
-            if module.bias is not None:
-                _slice_param(module, "bias", Split(0, style.parts), tp, cache)
-            swap_class(module, ColumnParallelLinear, tp=tp, sequence_parallel=sp)
+            cls = column_conv1d(module) if is_conv1d(module) else ColumnParallelLinear
+            swap_class(module, cls, tp=tp, sequence_parallel=sp)
         elif kind == "rowwise":
-            _slice_param(module, "weight", Split(1), tp, cache)
-            swap_class(module, RowParallelLinear, tp=tp, sequence_parallel=sp)
+            cls = row_conv1d(module) if is_conv1d(module) else RowParallelLinear
+            swap_class(module, cls, tp=tp, sequence_parallel=sp)
             _replicated(module, tp, partial=sp)  # the bias is added to sequence chunks
         elif kind == "vocab_embedding":
-            _slice_param(module, "weight", Split(0), tp, cache)
             swap_class(module, VocabParallelEmbedding, tp=tp, sequence_parallel=sp,
-                       vocab_start=r * module.weight.shape[0])
+                       vocab_start=min(r * vocab_rows(module.num_embeddings, n),
+                                       module.num_embeddings))
         elif kind == "sequence_parallel":
             _replicated(module, tp, partial=sp)
             if sp and isinstance(module, nn.Embedding):
@@ -94,6 +99,9 @@ def _apply(root: nn.Module, styles: dict, tp, sp: bool, cache: dict, prefix: str
                 module.shards = module.shards + ((-2, r, n),)
         elif kind == "attention_dropout":
             module.shards = module.shards + ((1, r, n),)
+        elif kind == "per_rank":  # e.g. an attention's heads: this rank's share
+            for attr in style.divide:
+                setattr(module, attr, getattr(module, attr) // n)
         # whatever is left runs on whole activations, alike on every tp rank
         _replicated(module, tp, partial=False)
         for b in module.buffers(recurse=False):
@@ -103,12 +111,18 @@ def _apply(root: nn.Module, styles: dict, tp, sp: bool, cache: dict, prefix: str
 
 
 def _stack(stack: LayerStack, styles: dict, tp, sp: bool) -> LayerStack:
+    # A stack split from a built model (models/chain.py) returns the model's own modules
+    # at every build (param counts, the stage, the checkpoint skeleton): split each once.
+    done = weakref.WeakSet()
+
     def wrap(layer: PipeLayer) -> PipeLayer:
         def build():
             mods = layer.build()
             cache: dict = {}
             for path, module in mods.items():
-                _apply(module, styles, tp, sp, cache, prefix=path)
+                if module not in done:
+                    _apply(module, styles, tp, sp, cache, prefix=path)
+                    done.add(module)
             return mods
         return replace(layer, build=build)
 
@@ -130,3 +144,25 @@ def prepare(model, world, mesh, options: TensorOptions | None = None):
         _apply(model, styles, tp, sp, {})
     state = TensorParallel(tp, sp, splits, vocab, mesh.coords["dp"], mesh.size("dp"))
     return model, state
+
+
+class _Alone:
+    """Rank 0 of a tp group of ``size`` whose collectives are identities: the split's shapes
+    without communication."""
+
+    rank = 0
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def allreduce(self, t, op="sum"):
+        return t
+
+
+def split_for_pricing(root: nn.Module, model, tp: int) -> nn.Module:
+    """Split root (a meta-device build of ``model``'s layers) in place as tp rank 0 holds it
+    (the largest share of a padded vocabulary), its collectives identities: what one rank's
+    forward saves, for the planner. ValueError as ``check``'s."""
+    styles = check(model, None, tp)[0]
+    _apply(root, styles, _Alone(tp), False, {})
+    return root
