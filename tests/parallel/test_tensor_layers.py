@@ -167,6 +167,16 @@ def test_bad_plans_fail_in_one_line_before_touching_the_model(case):
     assert after == before  # nothing split, no class swapped
 
 
+def test_sequence_parallel_with_a_hugging_face_plan_is_refused():
+    from tests.fixtures.hf_models import gpt2_tp_factory
+
+    model = gpt2_tp_factory()[0]
+    with pytest.raises(ValueError, match=r"tensor parallel over tp=2: tensor.sequence_parallel "
+                       r"= true is not supported with the plan of a Hugging Face model "
+                       r"\(GPT2Logits\)"):
+        prepare(model, _WORLD, _Mesh(2), TensorOptions(sequence_parallel=True))
+
+
 @pytest.mark.parametrize("op, message", [
     (split_seq, "sequence parallel: sequence length 7 does not split over tp=2; use a "
                 "sequence length divisible by tp"),

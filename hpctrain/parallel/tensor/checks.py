@@ -179,6 +179,12 @@ def model_plan(model) -> dict:
     return {}
 
 
+def _from_hugging_face(model) -> bool:
+    """Whether model's own plan is a Hugging Face model's (translated by hf_plan)."""
+    source = getattr(model, "source", None) if isinstance(model, LayerStack) else None
+    return any(hf_plan.plan_of(m) for m in (model, source) if m is not None)
+
+
 # dp flavours that shard flat buffers of the tp-local parameters over dp
 _SHARDED = ("zero1", "zero2", "zero3", "fsdp")
 
@@ -218,6 +224,12 @@ def check(model, options: TensorOptions | None, tp: int, loss_fn=None, flavour: 
     for name, module in skeleton.named_modules():
         if name in styles:
             _check(name, module, styles[name], tp)
+    if opts.sequence_parallel and not opts.plan and _from_hugging_face(model):
+        # their plans mark no norm region, and their positions come from the input's length
+        raise ValueError(f"tensor parallel over tp={tp}: tensor.sequence_parallel = true is not "
+                         f"supported with the plan of a Hugging Face model "
+                         f"({type(model).__name__}): it marks no 'sequence_parallel' region "
+                         f"(norms, dropout, positions); set tensor.sequence_parallel = false")
     splits, vocab = _splits(skeleton, styles, tp)
     if loss_fn is not None and vocab is not None and not is_cross_entropy(loss_fn):
         name = getattr(loss_fn, "__qualname__", repr(loss_fn))
