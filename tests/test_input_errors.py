@@ -52,6 +52,16 @@ CASES = [  # (flags, environment, words the one line holds)
      "HPCTRAIN_FLIGHT_PURE='maybe' is not a clear boolean; set it to one of 1, true, yes, on"),
     ([], {"HPCTRAIN_CKPT_FORCE_SERIAL": "2"}, "HPCTRAIN_CKPT_FORCE_SERIAL='2'"),
     ([], {"HPCTRAIN_RANKS_PER_NODE": "0"}, "HPCTRAIN_RANKS_PER_NODE='0' is not a positive"),
+    (["--steps", "0"], {}, "train.steps = 0: must be >= 1"),
+    (["--optimizer", "lamb"], {}, "train.optimizer = 'lamb'"),
+    (["--model", "no.such.module:factory"], {}, "no.such.module"),
+    (["--model", "resnet"], {}, "resnet"),
+    (["--mesh", "dp=3"], {}, "multiply to 3, not 1"),
+    (["--strategy", "zero2", "--reduce-bucket-size", "0"], {},
+     "zero.reduce_bucket_size = 0: must be >= 1"),
+    (["--strategy", "fsdp", "--allgather-bucket-size", "1.5"], {},
+     "fsdp.allgather_bucket_size = 1.5: expected an integer"),
+    (["--strategy", "ddp", "--reduce-bucket-size", "4096"], {}, "--reduce-bucket-size 4096 sizes"),
 ]
 
 
