@@ -17,14 +17,11 @@ __all__ = ["main", "build_parser"]
 def _ranks_per_node(text: str) -> int:
     """--ranks-per-node: a positive count; leaving the flag out detects the nodes."""
     try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer (ranks per "
                                          f"node to pretend); leave the flag out to detect the "
-                                         f"nodes")
-    return value
+                                         f"nodes") from None
 
 
 class _Parser(argparse.ArgumentParser):
