@@ -7,12 +7,24 @@ import os
 import h5py
 import numpy as np
 
-from hpctrain.checkpoint import meta
+from hpctrain.checkpoint import meta, trust
 from hpctrain.checkpoint.checksum import expected_blocks, verify_flat
 from hpctrain.checkpoint.hyperslab import read_flat
 from hpctrain.checkpoint.layout import box_parts, numel
 
 __all__ = ["CheckpointError", "Reader", "raise_agreed"]
+
+# verify() reads at most this much at a time (whole checksum blocks; at least one).
+_VERIFY_BYTES = 64 << 20
+
+
+def _integer(v) -> int:
+    """v as an int; TypeError unless it is one (a string or float attribute is damage)."""
+    if isinstance(v, np.ndarray) and v.shape == ():
+        v = v[()]
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{v!r} is not an integer")
+    return int(v)
 
 
 class CheckpointError(RuntimeError):
@@ -39,7 +51,8 @@ class Reader:
 
     Every rank opens the file read-only with the default driver: reads are independent, so
     ranks at any world size read whatever rows or flat element ranges they need. Opening
-    verifies the metadata (see meta.py) and raises CheckpointError when it is wrong;
+    checks that the file holds only its own data, of sizes it can hold (trust.py), and
+    verifies the metadata (meta.py); it raises CheckpointError when either is wrong.
     ``sealed`` is False for files written before the metadata had a checksum.
     """
 
@@ -51,6 +64,10 @@ class Reader:
         except OSError as exc:
             raise CheckpointError(f"cannot open checkpoint {path!r}: {exc}; check the path, or "
                                   f"resume from an older checkpoint in the same directory") from None
+        untrusted = trust.problems(self.f, path)
+        if untrusted:
+            self.f.close()
+            raise_agreed(None, [f"checkpoint {path}: {p}" for p in untrusted])
         self.sealed, problems = meta.problems(self.f)
         if problems:
             self.f.close()
@@ -143,7 +160,12 @@ class Reader:
         # Widen to whole canonical blocks so every block that is read is verified.
         lo = start // belems * belems if stop > start else start
         hi = min(-(-stop // belems) * belems, total) if stop > start else stop
-        flat = read_flat(d, lo, hi)
+        try:
+            flat = read_flat(d, lo, hi)
+        except OSError as exc:
+            self.fail(f"dataset {name!r} cannot be read ({exc}); the file is damaged: resume "
+                      f"from an older checkpoint")
+            return None
         bad = verify_flat(flat, lo, belems, crcs, total)
         if bad:
             self.fail(f"dataset {name!r} fails its checksum (blocks {bad[:8]}); the file is "
@@ -174,8 +196,13 @@ class Reader:
         pos = (rank - index) % ranks  # rotated, so one-block tensors spread over ranks
         lo = min(pos * nblocks // ranks * belems, total)
         hi = min((pos + 1) * nblocks // ranks * belems, total)
+        # Whole blocks at a time, so a large tensor is not read into memory at once.
+        step = max(1, _VERIFY_BYTES // (belems * d.dtype.itemsize)) * belems
+        bad = []
         try:
-            bad = verify_flat(read_flat(d, lo, hi), lo, belems, crcs, total)
+            for start in range(lo, hi, step):
+                stop = min(start + step, hi)
+                bad += verify_flat(read_flat(d, start, stop), start, belems, crcs, total)
         except OSError as exc:
             return f"checkpoint {self.path}: dataset {name!r} cannot be read ({exc})"
         if bad:
@@ -188,14 +215,19 @@ class Reader:
         a = d.attrs
         if "crc32" not in a:
             return 1, None
-        if "crc_block_elems" in a:
-            belems = int(a["crc_block_elems"])
-        elif "crc_block_rows" in a:  # older files: blocks of whole rows are flat blocks too
-            belems = int(a["crc_block_rows"]) * (numel(tuple(d.shape)[1:]) if d.ndim else 1)
-        else:
+        try:
+            if "crc_block_elems" in a:
+                belems = _integer(a["crc_block_elems"])
+            elif "crc_block_rows" in a:  # older files: blocks of whole rows are flat blocks too
+                belems = _integer(a["crc_block_rows"]) * (numel(tuple(d.shape)[1:]) if d.ndim
+                                                          else 1)
+            else:
+                return 1, None
+        except TypeError:
             return 1, None
         crcs = np.asarray(a["crc32"]).reshape(-1)
-        if belems <= 0 or len(crcs) != expected_blocks(numel(tuple(d.shape)), belems):
+        if (belems <= 0 or crcs.dtype.kind not in "ui"
+                or len(crcs) != expected_blocks(numel(tuple(d.shape)), belems)):
             return 1, None
         return belems, crcs
 

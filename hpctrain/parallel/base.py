@@ -302,7 +302,14 @@ class Parallelized:
         """Restore the optimizer's param-group hyperparameters saved by state_meta()."""
         import json
 
+        from hpctrain.checkpoint.meta import param_group_problems
+
         groups = json.loads(reader.attrs.get("optim_param_groups", "[]"))
+        wrong = param_group_problems(groups, self.optimizer.param_groups, self._optim_class())
+        if wrong:  # applied, it would fail in the middle of a step
+            reader.fail(f"{wrong[0]}; the file was changed after it was written: resume from "
+                        f"an older checkpoint")
+            return
         for g, sg in zip(self.optimizer.param_groups, groups):
             g.update({k: (tuple(v) if isinstance(g.get(k), tuple) else v)
                       for k, v in sg.items() if k != "params" and k in g})

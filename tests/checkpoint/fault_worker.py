@@ -69,7 +69,7 @@ def save(d: str, step: int, scale: float = 1.0) -> str:
     for e in es:
         if e.local is not None and e.local.is_floating_point():
             e.local = e.local * scale
-    rng = torch.zeros((WORLD, 8), dtype=torch.uint8)
+    rng = torch.zeros((WORLD, torch.get_rng_state().numel()), dtype=torch.uint8)
     es += [Entry("rng/torch_cpu", tuple(rng.shape), rng.dtype, rng),
            Entry("train/losses", (step,), torch.float64, torch.ones(step, dtype=torch.float64))]
     write_entries(path, es, run_attrs(step), COMM)
