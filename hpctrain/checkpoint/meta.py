@@ -50,6 +50,8 @@ _KINDS = {
     "an object": lambda v: isinstance(v, dict),
     "a list of numbers": lambda v: isinstance(v, list) and all(map(_number, v)),
     "a pair of numbers": lambda v: isinstance(v, list) and len(v) == 2 and all(map(_number, v)),
+    "a number or a list of numbers and nulls": lambda v: _number(v) or (
+        isinstance(v, list) and all(x is None or _number(x) for x in v)),
     "a list of names": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
 }
 
@@ -67,10 +69,11 @@ _FIELDS = {
                           "base_lrs": "a list of numbers", "_last_lr": "a list of numbers"},
     "optim_param_groups": {  # torch.optim's hyper-parameters
         "params": "a list of names", **dict.fromkeys(
-            ("lr", "initial_lr", "eps", "weight_decay", "momentum", "dampening", "alpha",
+            ("lr", "initial_lr", "weight_decay", "momentum", "dampening", "alpha",
              "lr_decay", "initial_accumulator_value", "rho", "momentum_decay", "lambd", "t0"),
             NUMBER),
         **dict.fromkeys(("betas", "etas", "step_sizes"), "a pair of numbers"),
+        "eps": "a number or a list of numbers and nulls",  # Adafactor: (None, 1e-3)
         **dict.fromkeys(("amsgrad", "maximize", "capturable", "differentiable", "nesterov",
                          "centered", "decoupled_weight_decay"), "true or false"),
         **dict.fromkeys(("foreach", "fused"), "true, false or null")},
