@@ -7,6 +7,7 @@ Prints one JSON line per variant: how `ckpt inspect` and `--resume PATH` took it
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -20,7 +21,9 @@ from hpctrain.checkpoint import CheckpointError
 from hpctrain.checkpoint.meta import META_CRC, seal
 from hpctrain.checkpoint.tools import inspect
 from hpctrain.config import load_config
+from hpctrain.models import gpt
 from hpctrain.train.trainer import Trainer
+from tests.checkpoint.forge import FORGERIES
 
 
 def _lr(f):
@@ -44,6 +47,26 @@ def _dtype(f):
     f["model/tok_emb.weight"].attrs["torch_dtype"] = "float33"
 
 
+def _json(key, edit):
+    """Edit the parsed JSON of attribute key in place (hand-editing a checkpoint)."""
+    def run(f):
+        value = json.loads(f.attrs[key])
+        edit(value)
+        f.attrs[key] = json.dumps(value)
+    return run
+
+
+def _rng_floats(f):
+    attrs, rows = dict(f["rng/torch_cpu"].attrs), f["rng/torch_cpu"][()]
+    del f["rng/torch_cpu"]
+    f.create_dataset("rng/torch_cpu", data=rows.astype(np.float32)).attrs.update(
+        {**attrs, "torch_dtype": "float32"})
+
+
+def _forged(name):
+    return lambda f: FORGERIES[name][0](f, os.path.dirname(f.filename))
+
+
 VARIANTS = {
     "ok": lambda f: None,
     "lr_flipped": _lr,
@@ -54,6 +77,17 @@ VARIANTS = {
     "grad_scaler_missing": _resealed(lambda f: f.attrs.__delitem__("grad_scaler")),
     "groups_not_list": _resealed(_set("optim_param_groups", '{"lr": 0.003}')),
     "torch_dtype_unknown": _resealed(_dtype),
+    # Wrong-typed values that once passed inspect and crashed the resumed run's first step.
+    "lr_string": _resealed(_json("optim_param_groups", lambda g: g[0].update(lr="0.003"))),
+    "betas_short": _resealed(_json("optim_param_groups", lambda g: g[0].update(betas=[0.9]))),
+    "sampler_step_string": _resealed(_json("sampler_state", lambda s: s.update(step="2"))),
+    "schedule_epoch_string": _resealed(_json("lr_schedule",
+                                             lambda s: s["state"].update(last_epoch="1"))),
+    "world_size_string": _resealed(_set("world_size", "1")),
+    "rng_floats": _resealed(_rng_floats),
+    # Files that point elsewhere or claim what they cannot hold (forge.py), by --resume PATH.
+    "absurd_shape": _resealed(_forged("absurd_shape")),
+    "virtual_elsewhere": _resealed(_forged("virtual_elsewhere")),
     "unsealed": lambda f: f.attrs.__delitem__(META_CRC),
 }
 
@@ -73,6 +107,8 @@ def _resume(path: str) -> dict:
 
 def main() -> int:
     src, work = sys.argv[1], sys.argv[2]
+    # Every variant's Trainer builds the same GPT data (most of its time): build it once.
+    gpt.make_markov_tokens = functools.lru_cache(gpt.make_markov_tokens)
     for name, change in VARIANTS.items():
         path = os.path.join(work, name, "ckpt-000002.h5")
         os.makedirs(os.path.dirname(path))
