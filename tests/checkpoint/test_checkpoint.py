@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from hpctrain.checkpoint.meta import seal
+from tests.checkpoint.forge import FORGERIES, forge
 from tests.mpirun import run_mpi, run_single
 from tests.parallel.train_cases import run_steps
 
@@ -81,7 +82,7 @@ def _where(strategy, world):
 
 
 @pytest.fixture(scope="module")
-def resumed(tmp_path_factory):
+def resumed(tmp_path_factory, gpt_ckpt):
     """For every RESUME and RESHARD case: the straight 20-step run, the 10-step run that
     checkpoints, and the run that resumes it (a checkpoint directory per case); the same
     for the SERIAL round trips (8 steps, the checkpoint written in per-rank files); and the
@@ -117,7 +118,14 @@ def resumed(tmp_path_factory):
         flags = [f.format(d=tmp / name / "ck") for f in flags]
         steps.append({"id": name, "world": _where(strategy, world),
                       "argv": _train_args(strategy, opt, n, flags)})
+    # A file that reads another file's data (forge.py) named by --resume under zero3.
+    untrusted = forge(str(gpt_ckpt), str(tmp / "untrusted"), "virtual_elsewhere")
+    steps.append({"id": "untrusted-zero3", "world": 2,
+                  "argv": ["--model", "gpt", "--strategy", "zero3", "--steps", "4",
+                           "--optimizer", "adamw", "--lr", "0.003", "--global-batch-size", "8",
+                           "--progress", "off", "--out-dir", "", "--resume", untrusted]})
     results = run_steps(tmp, steps, order=[None, 4, 2, 3, 1])
+    out_untrusted = (untrusted, results["untrusted-zero3"])
     out = {case: (tmp / _ident(case) / "ck", results[f"{_ident(case)}-a"],
                   results[f"{_ident(case)}-b"], results[straight[(case[1], case[2])]])
            for case in RESUME + RESHARD}
@@ -128,6 +136,7 @@ def resumed(tmp_path_factory):
     for name in PREP:
         assert results[name]["rc"] == 0, results[name]["stderr"]
         out[name] = (tmp / name / "ck", results[name]["summary"])
+    out["untrusted"] = out_untrusted
     return out
 
 
@@ -230,6 +239,16 @@ def test_missing_dataset_named(resumed, tmp_path):
     proc = _run(1, "single", "adamw", 4, tmp_path / "b.json",
                 ["--checkpoint-dir", str(d), "--resume", "auto"], check=False)
     assert proc.returncode != 0 and "'model/head.bias' is missing" in proc.stderr
+
+
+def test_untrusted_resume_file_refused_under_zero3(resumed):
+    # Every rank refuses it before loading anything: one error line, exit 1, no traceback.
+    path, run = resumed["untrusted"]
+    assert run["rc"] == 1 and run["summary"] is None, run["stderr"]
+    errors = [ln for ln in run["stderr"].splitlines() if ln.startswith("hpctrain: error:")]
+    assert len(errors) == 1 and f"checkpoint {path}: {FORGERIES['virtual_elsewhere'][1]}" \
+        in errors[0], run["stderr"]
+    assert "Traceback" not in run["stderr"]
 
 
 @pytest.mark.parametrize("worlds", SERIAL)
