@@ -28,9 +28,10 @@ MAX_GZIP_RATIO = 1032
 # Filters that keep the data's size (shuffle, fletcher32) or bound it (deflate).
 _FILTERS = {h5py.h5z.FILTER_DEFLATE: MAX_GZIP_RATIO, h5py.h5z.FILTER_SHUFFLE: 1,
             h5py.h5z.FILTER_FLETCHER32: 1}
-# The serial fallback's parts directory (token subdirectory, or none in older masters) and
-# its rank files, relative to the master's directory.
-_PARTS = re.compile(r"^ckpt-\d{6,}\.h5\.parts(/[0-9a-f]+)?$")
+# The serial fallback's parts directory (NAME.parts next to the master NAME, with a token
+# subdirectory, or none in older masters) and its rank files, relative to the master's
+# directory. NAME is the master's name when it was written: a renamed copy still reads them.
+_PARTS = re.compile(r"^[^/]+\.parts(/[0-9a-f]+)?$")
 _RANK_FILE = re.compile(r"^rank-\d{5,}\.h5$")
 
 _FIX = "a checkpoint may hold only its own data: use one as hpctrain wrote it"

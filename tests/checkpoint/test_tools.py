@@ -190,3 +190,26 @@ def test_serial_master_refuses_files_elsewhere(tmp_path, monkeypatch, name):
         _read_w(path)
     assert str(exc.value).startswith(f"checkpoint {path}: ") and words in str(exc.value), \
         exc.value
+
+
+def test_verify_reads_bounded_windows_and_finds_a_late_bad_block(tmp_path, monkeypatch):
+    # verify() reads whole checksum blocks a window at a time (not a tensor's share at once).
+    from mpi4py import MPI
+
+    from hpctrain.checkpoint import layout, reader
+
+    monkeypatch.setattr(layout, "BLOCK_BYTES", 256)  # 64 float32 per block: 16 blocks
+    monkeypatch.setattr(reader, "_VERIFY_BYTES", 512)  # two blocks per read
+    path = str(tmp_path / "w.h5")
+    t = torch.arange(1000, dtype=torch.float32)
+    write_entries(path, [Entry("w", (1000,), torch.float32, t)], {}, MPI.COMM_SELF)
+    reads = []
+    real = reader.read_flat
+    monkeypatch.setattr(reader, "read_flat", lambda d, a, b: reads.append((a, b)) or real(d, a, b))
+    with Reader(path) as r:
+        assert r.verify("w") is None
+    assert reads[0] == (0, 128) and reads[-1] == (896, 1000) and len(reads) == 8
+    with h5py.File(path, "r+") as f:
+        f["w"][900] = -1.0
+    with Reader(path) as r:
+        assert "dataset 'w' fails its checksum (blocks [14])" in r.verify("w")
