@@ -139,22 +139,55 @@ def test_an_unreadable_lock_is_being_made_when_young_and_stale_when_old(tmp_path
     assert os.listdir(tmp_path) == []
 
 
-def test_process_alive_sees_an_ended_process_and_a_reused_pid():
+def ended_pid() -> int:
     proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
-    assert not process_alive(int(proc.stdout), None)
+    return int(proc.stdout)
+
+
+def test_process_alive_sees_an_ended_process_and_a_reused_pid():
+    assert not process_alive(ended_pid(), None)
     me = Holder.here({})
     assert process_alive(me.pid, me.pid_start)
     assert not process_alive(me.pid, "1")  # the same pid, started at another time
 
 
+def test_force_unlock_reaches_the_lock_from_the_cli_and_the_api(monkeypatch, capsys):
+    """--force-unlock and Trainer(force_unlock=True) get to the engine that takes the lock;
+    a refusal from it is the CLI's one line and exit 2 (no MPI here: the engine is faked)."""
+    import hpctrain
+    import hpctrain.runtime.world as world
+    import hpctrain.train.trainer as engine
+    from hpctrain import cli
+
+    given = []
+
+    class Engine:
+        def __init__(self, *args, force_unlock=False, **kwargs):
+            given.append(force_unlock)
+            raise RunLockError("--out-dir o is in use by another run (...)")
+
+    monkeypatch.setattr(engine, "Trainer", Engine)
+    monkeypatch.setattr(world, "init_world", lambda *a, **k: None)
+    for flags in ([], ["--force-unlock"]):
+        rc = cli.main(["train", "--model", "mlp", "--steps", "1", "--out-dir", "", *flags])
+        assert rc == 2 and capsys.readouterr().err == (
+            "hpctrain: error: --out-dir o is in use by another run (...)\n")
+    with pytest.raises(RunLockError):
+        hpctrain.Trainer(steps=1, out_dir="", force_unlock=True).setup()
+    assert given == [False, True, True]
+
+
 @pytest.mark.mpi
 def test_two_jobs_started_at_once_on_the_same_directories(tmp_path):
-    """Two zero3 launches (2 ranks each, other seeds) on one --out-dir/--checkpoint-dir: the
-    one that finds the lock taken exits 2 with one line naming the holder; the other, held
-    after its second step until then, finishes with all its checkpoints and metrics rows."""
+    """Two zero3 launches (2 ranks each, other seeds) on one --out-dir/--checkpoint-dir that
+    a killed run left locked: one takes the lock over (a warning), the other exits 2 with one
+    line naming it; the first, held after its second step until then, finishes with all its
+    checkpoints and metrics rows."""
     hold = tmp_path / "hold"
     hold.write_text("")
+    held_by(tmp_path / "run", dataclasses.replace(Holder.here({}), pid=ended_pid(),
+                                                  pid_start=None, token="killed"))
     env = mpi_env({"SLOW_STEP_S": "0", "SLOW_HOLD": f"3:{hold}"})
     procs = {}
     for seed in (1, 2):
@@ -187,6 +220,8 @@ def test_two_jobs_started_at_once_on_the_same_directories(tmp_path):
                                f"{tmp_path / 'run'} is in use by another run (pid "), err
     assert "still running); lock file" in lines[0] and "Traceback" not in err
     assert procs[kept].returncode == 0, kept_out + kept_err
+    assert f"hpctrain: warning: --out-dir and --checkpoint-dir {tmp_path / 'run'}: the run " \
+           f"holding it has ended" in kept_out, kept_out
     import h5py
 
     run = tmp_path / "run"
