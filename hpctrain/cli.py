@@ -109,8 +109,9 @@ BOOL_FLAGS = {
 }
 
 TRAIN_EPILOG = f"""exit codes: 0 trained; 1 an error while training (the message says which);
-2 a bad flag, config, environment variable, launch or model for the plan, found before the
-first step; {NONFINITE_EXIT_CODE} a non-finite loss or gradient (train.nonfinite = stop, or skip past
+2 a bad flag, config, environment variable, launch or model for the plan, or an out or
+checkpoint directory another run is using, found before the first step;
+{NONFINITE_EXIT_CODE} a non-finite loss or gradient (train.nonfinite = stop, or skip past
 train.nonfinite_max_skips; no checkpoint written from that state); 75 pre-empted
 (checkpoint written, rerun to resume)."""
 
