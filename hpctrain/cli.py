@@ -109,8 +109,9 @@ BOOL_FLAGS = {
 }
 
 TRAIN_EPILOG = f"""exit codes: 0 trained; 1 an error while training (the message says which);
-2 a bad flag, config, environment variable, launch or model for the plan, found before the
-first step; {NONFINITE_EXIT_CODE} a non-finite loss or gradient (train.nonfinite = stop, or skip past
+2 a bad flag, config, environment variable, launch or model for the plan, or an out or
+checkpoint directory another run is using, found before the first step;
+{NONFINITE_EXIT_CODE} a non-finite loss or gradient (train.nonfinite = stop, or skip past
 train.nonfinite_max_skips; no checkpoint written from that state); 75 pre-empted
 (checkpoint written, rerun to resume)."""
 
@@ -130,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", dest="assignments", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override any config key, e.g. --set ddp.cycle_time_ms=2")
     t.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
+    t.add_argument("--force-unlock", action="store_true", help="take over the lock another "
+                   "run left in the out/checkpoint directories (after a crash on another "
+                   "host; nothing checks that the run has ended)")
     sub.add_parser("doctor", help="check MPI, Horovod, parallel HDF5, torch and the launcher")
     c = sub.add_parser("ckpt", help="inspect or export a checkpoint")
     csub = c.add_subparsers(dest="ckpt_command", metavar="ACTION", required=True)
@@ -500,7 +504,7 @@ def cmd_train(args) -> int:
     except UsageError as exc:
         # srun without PMI: each process is alone in its MPI world, so each one says it.
         return fail_together(str(exc), code=2)
-    trainer = Trainer(cfg, world=world, built=built)
+    trainer = Trainer(cfg, world=world, built=built, force_unlock=args.force_unlock)
     try:
         trainer.setup()
     except UserInputError as exc:

@@ -113,11 +113,12 @@ def _nested(dotted: str, value) -> dict:
 class Trainer:
     """See the module docstring. ``cfg``: a Config (the CLI's path); or keyword options
     (``strategy``, ``steps``, ``lr``, ``mesh``, ``dp_flavour``, ... and ``set`` for any
-    other config key). ``callbacks``: Callback objects."""
+    other config key). ``callbacks``: Callback objects. ``force_unlock``: take over the
+    run directories' lock another run left (README "Checkpoints": one run per directory)."""
 
     def __init__(self, cfg: Config | None = None, world=None, built=None, *, callbacks=(),
                  epochs: int | None = None, val_every: int = 0, set=None,  # noqa: A002
-                 **options):
+                 force_unlock: bool = False, **options):
         if cfg is not None and (options or set):
             raise ConfigError("Trainer: give a Config or keyword options, not both")
         self.cfg = cfg if cfg is not None else _config(options, set)
@@ -125,7 +126,7 @@ class Trainer:
         if not isinstance(val_every, int) or val_every < 0:
             raise ConfigError(f"Trainer(val_every={val_every!r}): expected steps >= 0 (0: only "
                               f"at the end of fit)")
-        self.val_every = val_every
+        self.val_every, self.force_unlock = val_every, force_unlock
         self.should_stop = False
         self.engine = None
         self._built = built  # None: fit() gets the model (or builds the config's)
@@ -187,7 +188,7 @@ class Trainer:
             validation = (self._val_data(val_dataloaders), None, built.loss_fn, every)
         try:
             engine = Engine(self.cfg, self.world, built, callbacks=self.callbacks,
-                            owner=self, validation=validation)
+                            owner=self, validation=validation, force_unlock=self.force_unlock)
         except BaseException:
             if validation is not None:
                 validation[0].close()

@@ -14,6 +14,7 @@ from hpctrain.config import Config
 from hpctrain.errors import UsageError, as_setup_error
 from hpctrain.runtime.abort import set_context
 from hpctrain.runtime.flight import RECORDER
+from hpctrain.runtime.run_lock import take as take_run_lock
 from hpctrain.runtime.timeline import TIMELINE, merge as merge_timeline
 from hpctrain.runtime.watchdog import start_watchdog
 from hpctrain.data.loader import eval_source, train_reader
@@ -102,8 +103,10 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config, world=None, built: BuiltModel | None = None,
-                 callbacks=(), owner=None, validation=None):
+                 callbacks=(), owner=None, validation=None, force_unlock: bool = False):
         self.cfg = cfg
+        # the run-directory lock (runtime/run_lock.py), held from _build to the end of fit()
+        self.force_unlock, self.run_lock = force_unlock, None
         # (dataset, batch size, loss_fn, every N steps) evaluated during fit (train/api.py)
         self.validation, self.val_losses = validation, []
         # hpctrain.Trainer's callbacks (train/api.py), called with ``owner`` (the public
@@ -120,6 +123,7 @@ class Trainer:
         except BaseException as exc:
             if self.watchdog is not None:  # a caller that catches the error may train again
                 self.watchdog.stop()
+            self.release_lock()
             # The model or an option the plan cannot run (a strategy's check, a factory's
             # refusal): the same on every rank, so a user error (exit 2), not a crash.
             err = as_setup_error(exc, f"plan {self.plan.name!r}" if self.plan else "")
@@ -136,7 +140,14 @@ class Trainer:
         self.guard = NonFiniteGuard(t.nonfinite, t.nonfinite_max_skips, world.mpi_comm,
                                     world.is_main, self._latest_or_none,
                                     getattr(self.par, "name_of", None))
-        c = cfg.checkpoint
+        try:
+            self._resume(cfg.checkpoint, world)
+        except BaseException:
+            self.release_lock()
+            raise
+
+    def _resume(self, c, world) -> None:
+        """Clean what dead saves left, then load the checkpoint to resume from, if any."""
         checkpoint.clean_stale(c.dir, world.mpi_comm)  # what saves that died left behind
         resume = checkpoint.resolve_resume(c.resume, c.dir, world.mpi_comm)
         if resume:
@@ -144,6 +155,11 @@ class Trainer:
                 resume, self.par, world, self.sampler, self.precision.scaler, self.schedule)
             if world.is_main:
                 print(f"hpctrain: resumed from {resume} at step {self.start_step}", flush=True)
+
+    def release_lock(self) -> None:
+        """Let other runs use this run's directories (rank 0 removes its lock files)."""
+        if self.run_lock is not None:
+            self.run_lock.release()
 
     def _build(self, cfg: Config, world, built: BuiltModel | None) -> None:
         """The model, the plan and the strategy, from the config (collective)."""
@@ -167,6 +183,10 @@ class Trainer:
             if note and world.is_main:
                 print(note, flush=True)
         self.out_dir = run_dir(cfg, self.plan.name, world.mpi_comm)
+        # Before any file is written: a directory another run writes stops every rank here.
+        self.run_lock = take_run_lock(
+            [("--out-dir", self.out_dir), ("--checkpoint-dir", cfg.checkpoint.dir),
+             ("--trace", cfg.train.trace_dir)], world.mpi_comm, force=self.force_unlock)
         self.watchdog = start_watchdog(cfg.runtime.collective_timeout_s, self.out_dir,
                                        world.mpi_comm)
         if self.watchdog is not None:  # NCCL's own timeout must not beat its report
@@ -347,7 +367,14 @@ class Trainer:
         return loss
 
     def fit(self) -> dict:
-        """Train for cfg.train.steps steps; write metrics and the summary on rank 0."""
+        """Train for cfg.train.steps steps; write metrics and the summary on rank 0; then
+        release the run's directories, however training ended."""
+        try:
+            return self._fit()
+        finally:
+            self.release_lock()
+
+    def _fit(self) -> dict:
         t, world = self.cfg.train, self.world
         main = world.is_main
         if main:
