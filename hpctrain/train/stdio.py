@@ -14,8 +14,8 @@ replaced by a non-blocking open of the same pipe or pty: a file description of i
 the launcher's and a shell's stay as they were. The interrupted write is retried on it; a
 full fd (EAGAIN, or not writable when asked first) or one whose reader is gone (EPIPE) is
 pointed at /dev/null for the rest of the process instead of waiting for a reader that may
-come back only after SIGKILL. Before SIGTERM nothing changes; after it the process is stopping, so the
-streams stay so until it exits.
+come back only after SIGKILL. Before SIGTERM nothing changes; after it the process is
+stopping, and the streams stay so until it exits.
 """
 
 from __future__ import annotations
@@ -124,13 +124,13 @@ class UnstalledOutput:
         os.close(null)
         try:
             inner.flush()
-        except OSError:
+        except (OSError, ValueError):
             pass
         if 2 not in self.dropped:
             try:
                 os.write(2, (f"hpctrain: after SIGTERM nobody reads this rank's "
-                             f"{'stdout' if fd == 1 else 'stderr'} (mpirun does not while it "
-                             f"waits odls_base_sigkill_timeout); dropping it rather than "
-                             f"stalling\n").encode())
+                             f"{'stdout' if fd == 1 else 'stderr'} (mpirun reads none while "
+                             f"it waits odls_base_sigkill_timeout); dropping it rather than "
+                             f"stalling before the checkpoint\n").encode())
             except OSError:
                 pass
