@@ -247,14 +247,14 @@ def _run_until_steps(args, env, tmp_path, steps):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("sigkill_after", [None, 8])
+@pytest.mark.parametrize("sigkill_after", [None, 5])
 def test_sigterm_to_mpirun_never_loses_a_checkpoint(tmp_path, sigkill_after):
     """mpirun, on SIGTERM, sends the ranks SIGCONT, waits odls_base_sigkill_timeout (1 s by
     default), sends SIGTERM, waits as long again, then SIGKILL, reading none of their output
     while it waits. With 1 s the ranks exit 75 at once (no save started, the old checkpoints
-    intact). Given 8 s, with --log-every 1 and a model that prints 1 KB a step, the ranks fill
+    intact). Given 5 s, with --log-every 1 and a model that prints 2 KB a step, the ranks fill
     their unread ptys and block in a print long before their SIGTERM; they must still
-    checkpoint the step they stopped at, before SIGKILL. mpirun itself exits 1 after 2 x 8 s.
+    checkpoint the step they stopped at, before SIGKILL. mpirun itself exits 1 after 2 x 5 s.
     (The closing lines may never be shown: mpirun drops what it did not read in time.)"""
     mca = [] if sigkill_after is None else ["--mca", "odls_base_sigkill_timeout",
                                             str(sigkill_after)]
@@ -263,7 +263,7 @@ def test_sigterm_to_mpirun_never_loses_a_checkpoint(tmp_path, sigkill_after):
             "tests.fixtures.slow:factory", "--steps", "200", "--log-every", "1",
             "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "3", "--keep", "0",
             "--out-dir", str(tmp_path / "out"), "--requeue", "off"]
-    chatty = {} if sigkill_after is None else {"SLOW_PRINT_BYTES": "1000"}
+    chatty = {} if sigkill_after is None else {"SLOW_PRINT_BYTES": "2000"}
     proc = _run_until_steps(args, mpi_env({"SLOW_STEP_S": "0.1", **chatty}), tmp_path, 4)
     try:
         os.kill(proc.pid, signal.SIGTERM)
@@ -290,10 +290,10 @@ def test_sigterm_to_mpirun_never_loses_a_checkpoint(tmp_path, sigkill_after):
         assert took < 10, out
     else:
         # The stop step is the last row of metrics.csv (a file: nothing lost), and its
-        # checkpoint was written after the ranks' SIGTERM (8 s after mpirun's), before SIGKILL.
+        # checkpoint was written after the ranks' SIGTERM (T after mpirun's), before SIGKILL.
         rows = (tmp_path / "out" / "metrics.csv").read_text().splitlines()
         stop = int(rows[-1].split(",")[0])
         assert latest == "ckpt-%06d.h5" % stop, (latest, rows[-1], out[-2000:])
         written = os.path.getmtime(tmp_path / "ck" / latest) - sent_wall
-        assert sigkill_after - 1 < written < sigkill_after + 5, (written, out[-2000:])
+        assert sigkill_after - 1 < written < 2 * sigkill_after, (written, out[-2000:])
         assert took < 2 * sigkill_after + 10, took
