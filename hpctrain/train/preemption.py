@@ -14,7 +14,10 @@ SIGTERM comes with a deadline: SIGKILL follows after the launcher's grace period
 MPI's mpirun: ``odls_base_sigkill_timeout``, 1 s by default; SLURM: KillWait, 30 s by
 default; PBS: kill_delay, 10 s by default). A save that cannot finish in what is left is
 not started (a killed save would only leave a partial file); with a grace too short for
-even the current step, the rank exits 75 from the signal handler at once.
+even the current step, the rank exits 75 from the signal handler at once. mpirun sends that
+SIGTERM only ``odls_base_sigkill_timeout`` seconds after its own (SIGCONT first, SIGKILL as
+long again after), and reads none of the ranks' output meanwhile: from SIGTERM on, output
+that would block a rank is dropped (``train/stdio.py``) so the stop step is still reached.
 
 Exit code 75 (EX_TEMPFAIL, "temporary failure, try again") means: stopped on a signal; the
 newest checkpoint on disk (of the last step when there was time to write it) is where
@@ -30,6 +33,8 @@ import sys
 import threading
 import time
 from typing import Mapping
+
+from hpctrain.train.stdio import UnstalledOutput
 
 __all__ = ["PREEMPT_EXIT_CODE", "PREEMPT_SIGNALS", "Preempted", "Preemption",
            "requeue_command", "sigterm_grace_s", "SHORT_GRACE_S"]
@@ -100,12 +105,15 @@ class Preemption:
         self.received: int | None = None
         self.term_at: float | None = None
         self._previous: dict[int, object] = {}
+        self.output = UnstalledOutput()
 
     def install(self) -> "Preemption":
         """Install the signal handlers (main thread only) and return self."""
         if threading.current_thread() is threading.main_thread():
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
+            if signal.SIGTERM in self.signals:
+                self.output.install()
         return self
 
     def restore(self) -> None:
@@ -113,6 +121,7 @@ class Preemption:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        self.output.restore()
 
     def __enter__(self) -> "Preemption":
         return self.install()
@@ -127,6 +136,9 @@ class Preemption:
             return
         if signum == signal.SIGTERM and self.term_at is None:
             self.term_at = time.monotonic()
+            # The launcher may not read our output until SIGKILL (mpirun): never block on it
+            # again; a write this signal interrupted is retried non-blocking.
+            self.output.switch()
             if self.grace_s is not None and self.grace_s < SHORT_GRACE_S:
                 # SIGKILL follows before any step boundary: leave now with the code that
                 # says "resume from the newest checkpoint", rather than die mid-save.
@@ -166,7 +178,10 @@ class Preemption:
         if comm.rank == 0:
             what = f"checkpoint {path}" if saved else \
                 f"no time to save it (newest checkpoint: {path or 'none'})"
-            print(f"hpctrain: {name} received; stopped after step {step}, {what}", flush=True)
+            # Where it can still be read: stdout may have been dropped (train/stdio.py).
+            out = sys.stderr if 1 in self.output.dropped else sys.stdout
+            print(f"hpctrain: {name} received; stopped after step {step}, {what}", file=out,
+                  flush=True)
             if cmd is not None:
                 requeued = _run_requeue(cmd)
         comm.barrier()

@@ -22,7 +22,7 @@ class Progress:
             from tqdm import tqdm
 
             self._bar = tqdm(total=total, initial=start, desc="train", unit="step",
-                             dynamic_ncols=True)
+                             dynamic_ncols=True, file=_CurrentStderr())
 
     def update(self, step: int, loss: float, rate: float) -> None:
         if not self.enabled:
@@ -37,3 +37,17 @@ class Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+class _CurrentStderr:
+    """sys.stderr as it is at each write: after SIGTERM the pre-emption handler's proxy
+    (train/stdio.py), which drops what a launcher that stopped reading would block on."""
+
+    def write(self, text):
+        return sys.stderr.write(text)
+
+    def flush(self):
+        sys.stderr.flush()
+
+    def __getattr__(self, name):
+        return getattr(sys.stderr, name)
