@@ -193,6 +193,9 @@ def _commit(tmp: str, final: str, comm, needed: int) -> None:
     if comm.Get_rank() == 0:
         try:
             with open(tmp, "rb+") as fh:
+                # give back the room reserved for the closing flush (writer.reserve) that it
+                # did not use: blocks past the end stay allocated until a truncation
+                os.ftruncate(fh.fileno(), os.fstat(fh.fileno()).st_size)
                 os.fsync(fh.fileno())
             os.replace(tmp, final)
         except OSError as exc:

@@ -17,8 +17,9 @@ import h5py
 import numpy as np
 
 from hpctrain.checkpoint.layout import Entry, block_elems, local_flat, numel, storage_dtype
-from hpctrain.checkpoint.writer import (agree_os_error, agreed_spans, fault_hook, finish_attrs,
-                                        merge_crcs, new_file, region_crcs)
+from hpctrain.checkpoint.writer import (agree_os_error, agreed_spans, data_end, fault_hook,
+                                        finish_attrs, merge_crcs, metadata_room, new_file,
+                                        region_crcs, reserve)
 from hpctrain.runtime.env import env_flag
 
 __all__ = ["write_serial", "parts_dir", "use_serial", "drop_unused_parts", "FORCE_ENV"]
@@ -106,16 +107,18 @@ def _write_parts(path: str, entries: list[Entry], spans, rank: int):
     crcs, pieces, scalars = {}, {}, {}
     try:
         with new_file(path) as f:
+            dsets = []
             for i, (e, region) in enumerate(zip(entries, spans)):
                 if region.size:
                     flat = local_flat(e, region)
                     if len(e.shape) == 0:  # VDS needs a rank >= 1 selection: in the master
                         scalars[i] = flat.copy()
                     else:
-                        f.create_dataset(e.name, data=flat)
+                        dsets.append(f.create_dataset(e.name, data=flat))
                     crcs[i] = region_crcs(flat, region, block_elems(flat.dtype.itemsize))
                     pieces[i] = (region.boxes, region.size)
-                fault_hook(rank, i + 1)
+                fault_hook(rank, i + 1, path)
+            reserve(path, data_end(dsets) + metadata_room(entries, {}))  # for the close
     except OSError as exc:  # a full disk: the other ranks must hear of it, not hang
         return crcs, pieces, scalars, exc
     return crcs, pieces, scalars, None
@@ -171,4 +174,7 @@ def write_serial(tmp_path: str, final_path: str, entries: list[Entry], root_attr
                                 h5py.h5s.create_simple(shape),
                                 dcpl=_virtual_dcpl(shape, srcs, e.name))
                 dsets.append(f[e.name])
-        finish_attrs(f, dsets, entries, merged, {**root_attrs, "layout": "virtual", "parts": rel})
+        attrs = {**root_attrs, "layout": "virtual", "parts": rel}
+        reserve(tmp_path, data_end(dsets) + metadata_room(entries, attrs)
+                + 512 * sum(len(g[1]) for g in gathered))  # the virtual mappings
+        finish_attrs(f, dsets, entries, merged, attrs)

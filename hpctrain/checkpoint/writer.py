@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 
@@ -17,14 +18,16 @@ from hpctrain.checkpoint.layout import (Entry, Region, block_elems, local_flat, 
 from hpctrain.checkpoint.writeback import Writeback
 
 __all__ = ["write_parallel", "fault_hook", "FAULT_ENV", "set_attrs", "dataset_attrs",
-           "merge_crcs", "agreed_spans", "region_crcs", "agree_os_error", "finish_attrs", "new_file"]
+           "merge_crcs", "agreed_spans", "region_crcs", "agree_os_error", "finish_attrs", "new_file",
+           "reserve", "metadata_room", "data_end"]
 
 # Tests only: "RANK:K" makes rank RANK die (os._exit) after writing K datasets of a save;
-# "RANK:K:enospc" makes its write fail there as on a full disk.
+# "RANK:K:enospc" makes its write fail there as on a full disk; "RANK:K:fill" fills the file
+# system there (as another job would), so that the writes after it really fail.
 FAULT_ENV = "HPCTRAIN_CKPT_FAULT"
 
 
-def fault_hook(rank: int, written: int) -> None:
+def fault_hook(rank: int, written: int, path: str = "") -> None:
     """Simulate a rank crashing or its disk filling up in the middle of a save (tests only)."""
     spec = os.environ.get(FAULT_ENV, "")
     if spec:
@@ -32,7 +35,17 @@ def fault_hook(rank: int, written: int) -> None:
         if int(r) == rank and written == int(k):
             if mode == ["enospc"]:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            if mode == ["fill"]:
+                _fill(os.path.join(os.path.dirname(path), ".filler"))
+                return
             os._exit(17)
+
+
+def _fill(path: str) -> None:
+    with open(path, "ab", buffering=0) as f:
+        with contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 65536)
 
 
 def agree_os_error(comm, exc: OSError | None) -> None:
@@ -43,28 +56,109 @@ def agree_os_error(comm, exc: OSError | None) -> None:
         raise OSError(*failed[0])
 
 
+def _fds_of(path: str) -> set[int]:
+    """This process's descriptors open on path (empty where /proc is not there)."""
+    fds, real = set(), os.path.realpath(path)
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return fds
+    for name in names:
+        with contextlib.suppress(OSError, ValueError):
+            if os.readlink(f"/proc/self/fd/{name}") == real:
+                fds.add(int(name))
+    return fds
+
+
+def _divert(path: str, fds: set[int]) -> None:
+    """Point the descriptors HDF5 (its MPI-IO or POSIX driver) holds on path, a file about to
+    be deleted, at an anonymous memory file: the metadata HDF5 flushes when it closes a file
+    then has somewhere to go, whatever broke the disk.
+
+    Why this matters: HDF5 1.10 frees a file whose closing flush fails but keeps its id, and
+    the next touch of that id (h5py's garbage collection, HDF5's own exit handler) crashes
+    the process (a segfault at exit, after the error was reported). A failed H5Fflush is no
+    way out either: it leaves the metadata cache unable to close. Where memfd or /proc is
+    missing, the file is truncated instead (its data's room is given back for the flush).
+    """
+    sink = -1
+    if fds and hasattr(os, "memfd_create"):
+        with contextlib.suppress(OSError):
+            sink = os.memfd_create("hpctrain-discarded-checkpoint")
+    if sink < 0:
+        with contextlib.suppress(OSError):
+            os.truncate(path, 0)
+        return
+    try:
+        for fd in fds:
+            os.dup2(sink, fd)
+    finally:
+        os.close(sink)
+
+
 @contextlib.contextmanager
 def new_file(path: str, **kwargs):
     """h5py.File(path, "w") whose close raises OSError, as its writes do, when it fails.
 
-    Closing flushes HDF5's cached metadata: into a full disk that fails with a RuntimeError
-    ("Unable to flush cached data"), which callers must see as the write error it is.
+    When the block raises, the file is to be deleted: its descriptors are diverted first
+    (see ``_divert``), so that closing it cannot fail and crash the process later.
+    Closing a file that was written flushes HDF5's cached metadata, into room reserved for
+    it beforehand (``reserve``); a failure there is a RuntimeError ("Unable to flush cached
+    data"), which callers must see as the write error it is.
     locking=False: rank 0 holds its own lock on a temporary file (see commit.py).
     """
+    before = _fds_of(path)
     f = h5py.File(path, "w", locking=False, **kwargs)
     try:
         yield f
-    except OSError:
-        # The file will be deleted: give its space back first, so that the flush at close has
-        # room (a flush that fails again can hang a parallel close, or crash at exit).
-        with contextlib.suppress(OSError):
-            os.truncate(path, 0)
+    except BaseException:
+        _divert(path, _fds_of(path) - before)
         raise
     finally:
         try:
             f.close()
         except RuntimeError as exc:
             raise OSError(None, f"closing {path}: {exc}") from exc
+
+
+_FALLOC_FL_KEEP_SIZE = 1
+
+
+def _libc_fallocate():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return fn
+
+
+_FALLOCATE = _libc_fallocate()
+
+
+def reserve(path: str, nbytes: int) -> None:
+    """Allocate the blocks of path's first nbytes without changing its size, so that the
+    metadata HDF5 writes when the file closes cannot meet a full disk (OSError ENOSPC here,
+    where the save can still fail cleanly). A no-op where the file system cannot."""
+    if _FALLOCATE is None:
+        return
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        if _FALLOCATE(fd, _FALLOC_FL_KEEP_SIZE, 0, nbytes) != 0:
+            err = ctypes.get_errno()
+            if err == errno.ENOSPC or err == errno.EDQUOT:
+                raise OSError(err, os.strerror(err))
+    finally:
+        os.close(fd)
+
+
+def metadata_room(entries: list[Entry], attrs: dict) -> int:
+    """Bytes of metadata a file may still add when its attributes are written and it closes:
+    a checksum table per dataset and the root attributes, with a margin."""
+    crcs = sum(8 * (numel(tuple(e.shape)) // max(block_elems(storage_dtype(e.dtype).itemsize), 1)
+                    + 1) for e in entries)
+    text = sum(len(v) if isinstance(v, (str, bytes)) else 64 for v in attrs.values())
+    return 64 * 1024 + 4 * 1024 * len(entries) + crcs + 2 * text
 
 
 def set_attrs(obj, attrs: dict) -> None:
@@ -133,12 +227,22 @@ def _write_data(path: str, entries: list[Entry], dsets, spans, dxpl, rank: int):
                     start, stop = int(region.runs[0, 0]), int(region.runs[-1, 1])
                     wb.start(d.id.get_offset() + start * size, (stop - start) * size)
                 crcs[i] = region_crcs(flat, region, block_elems(size))
-            fault_hook(rank, i + 1)
+            fault_hook(rank, i + 1, path)
     except OSError as exc:  # a full disk: the other ranks must hear of it, not hang
         return crcs, exc
     finally:
         wb.close()
     return crcs, None
+
+
+def data_end(dsets) -> int:
+    """The end of the last dataset's storage in the file (what is allocated so far)."""
+    ends = [0]
+    for d in dsets:
+        offset = d.id.get_offset()  # None: no storage of its own (empty, or in its header)
+        if offset is not None:
+            ends.append(offset + d.id.get_storage_size())
+    return max(ends)
 
 
 def write_parallel(path: str, entries: list[Entry], root_attrs: dict, comm) -> None:
@@ -157,5 +261,10 @@ def write_parallel(path: str, entries: list[Entry], root_attrs: dict, comm) -> N
         dsets = [f.create_dataset(e.name, shape=tuple(e.shape), dtype=storage_dtype(e.dtype),
                                   fill_time="never") for e in entries]
         crcs, err = _write_data(path, entries, dsets, spans, dxpl, comm.Get_rank())
+        if err is None and comm.Get_rank() == 0:  # room for what closing the file writes
+            try:
+                reserve(path, data_end(dsets) + metadata_room(entries, root_attrs))
+            except OSError as exc:
+                err = exc
         agree_os_error(comm, err)  # all ranks leave (and close the file) together
         finish_attrs(f, dsets, entries, merge_crcs(comm.allgather(crcs), entries), root_attrs)
