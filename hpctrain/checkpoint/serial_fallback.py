@@ -17,9 +17,9 @@ import h5py
 import numpy as np
 
 from hpctrain.checkpoint.layout import Entry, block_elems, local_flat, numel, storage_dtype
-from hpctrain.checkpoint.writer import (agree_os_error, agreed_spans, data_end, fault_hook,
-                                        finish_attrs, merge_crcs, metadata_room, new_file,
-                                        region_crcs, reserve)
+from hpctrain.checkpoint.writer import (SaveSteps, agree_os_error, agreed_spans, data_end,
+                                        fault_hook, finish_attrs, merge_crcs, metadata_room,
+                                        new_file, region_crcs, reserve)
 from hpctrain.runtime.env import env_flag
 
 __all__ = ["write_serial", "parts_dir", "use_serial", "drop_unused_parts", "FORCE_ENV"]
@@ -139,22 +139,30 @@ def _new_part_dir(final_path: str, comm) -> str:
 
 
 def write_serial(tmp_path: str, final_path: str, entries: list[Entry], root_attrs: dict,
-                 comm) -> None:
+                 comm, steps: SaveSteps | None = None) -> None:
     """Each rank writes its flat parts to its own file; rank 0 writes the master at tmp_path.
 
     A write error on any rank raises OSError on every rank; one in the master (rank 0 only)
-    is left to the caller to agree on.
+    is left to the caller to agree on. ``steps``: as for write_parallel.
     """
     rank = comm.Get_rank()
-    spans = agreed_spans(entries, comm)
-    sub = _new_part_dir(final_path, comm)
-    crcs, pieces, scalars, err = _write_parts(os.path.join(sub, f"rank-{rank:05d}.h5"),
-                                              entries, spans, rank)
-    agree_os_error(comm, err)
-    gathered = comm.allgather((crcs, pieces, scalars))
+    steps = steps or SaveSteps(comm, 0)
+    with steps("plan"):
+        spans = agreed_spans(entries, comm)
+        sub = _new_part_dir(final_path, comm)
+    with steps("write"):  # this rank's own file
+        crcs, pieces, scalars, err = _write_parts(os.path.join(sub, f"rank-{rank:05d}.h5"),
+                                                  entries, spans, rank)
+    with steps("agree"):
+        agree_os_error(comm, err)
+        gathered = comm.allgather((crcs, pieces, scalars))
     merged = merge_crcs([g[0] for g in gathered], entries)
-    if rank != 0:
-        return
+    with steps("master"):  # rank 0's alone: the others wait in the caller's next step
+        if rank == 0:
+            _write_master(tmp_path, final_path, sub, entries, root_attrs, gathered, merged)
+
+
+def _write_master(tmp_path, final_path, sub, entries, root_attrs, gathered, merged) -> None:
     # Relative to the master file's directory (the reader sets the prefix).
     rel = os.path.join(os.path.basename(parts_dir(final_path)), os.path.basename(sub))
     with new_file(tmp_path) as f:

@@ -6,6 +6,8 @@ import contextlib
 import ctypes
 import errno
 import os
+import signal
+import time
 
 import h5py
 import numpy as np
@@ -16,14 +18,17 @@ from hpctrain.checkpoint.hyperslab import write_boxes
 from hpctrain.checkpoint.layout import (Entry, Region, block_elems, local_flat, numel,
                                         owned_region, storage_dtype)
 from hpctrain.checkpoint.writeback import Writeback
+from hpctrain.runtime.abort import _context, set_context
+from hpctrain.runtime.flight import IO_PREFIX, RECORDER, ranks_key
 
 __all__ = ["write_parallel", "fault_hook", "FAULT_ENV", "set_attrs", "dataset_attrs",
            "merge_crcs", "agreed_spans", "region_crcs", "agree_os_error", "finish_attrs", "new_file",
-           "reserve", "metadata_room", "data_end"]
+           "reserve", "metadata_room", "data_end", "SaveSteps"]
 
 # Tests only: "RANK:K" makes rank RANK die (os._exit) after writing K datasets of a save;
 # "RANK:K:enospc" makes its write fail there as on a full disk; "RANK:K:fill" fills the file
-# system there (as another job would), so that the writes after it really fail.
+# system there (as another job would), so that the writes after it really fail; "RANK:K:stop"
+# stops the rank there (SIGSTOP: a hung file system), writing the time to $STALL_DIR/fault-time.
 FAULT_ENV = "HPCTRAIN_CKPT_FAULT"
 
 
@@ -37,6 +42,12 @@ def fault_hook(rank: int, written: int, path: str = "") -> None:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             if mode == ["fill"]:
                 _fill(os.path.join(os.path.dirname(path), ".filler"))
+                return
+            if mode == ["stop"]:
+                if os.environ.get("STALL_DIR"):
+                    with open(os.path.join(os.environ["STALL_DIR"], "fault-time"), "w") as f:
+                        f.write(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGSTOP)
                 return
             os._exit(17)
 
@@ -54,6 +65,40 @@ def agree_os_error(comm, exc: OSError | None) -> None:
     failed = [x for x in comm.allgather(mine) if x is not None]
     if failed:
         raise OSError(*failed[0])
+
+
+class SaveSteps:
+    """The steps of one save in the flight recorder, in its ``checkpoint`` phase: each is an
+    op ``ckpt_<step>`` over the save's ranks (``ckpt[0-N]``, world ranks) with the file's
+    size as its bytes, recorded by every rank in the same order (a rank with nothing to do
+    in a step records it too), so the watchdog sees a rank that waits in a step for one
+    stuck in an earlier one (a hung file system, a stopped process) and names both.
+
+    Used as ``with steps("open"): ...``; ``with steps:`` marks the whole save's phase.
+    """
+
+    def __init__(self, comm, nbytes: int):
+        try:
+            from mpi4py import MPI
+
+            world = MPI.COMM_WORLD.Get_group()
+            ranks = comm.Get_group().Translate_ranks(list(range(comm.Get_size())), world)
+        except (ImportError, AttributeError):  # a stand-in comm (tests): its own ranks
+            ranks = range(comm.Get_size())
+        self.key, self.nbytes = ranks_key("ckpt", ranks), int(nbytes)
+        self._phase = None
+
+    def __call__(self, step: str):
+        return RECORDER.op(self.key, IO_PREFIX + step, self.nbytes)
+
+    def __enter__(self):
+        self._phase = _context.get("phase")
+        set_context(phase="checkpoint")
+        return self
+
+    def __exit__(self, *exc):
+        set_context(phase=self._phase)
+        return False
 
 
 def _fds_of(path: str) -> set[int]:
@@ -97,7 +142,7 @@ def _divert(path: str, fds: set[int]) -> None:
 
 
 @contextlib.contextmanager
-def new_file(path: str, **kwargs):
+def new_file(path: str, steps: SaveSteps | None = None, **kwargs):
     """h5py.File(path, "w") whose close raises OSError, as its writes do, when it fails.
 
     When the block raises, the file is to be deleted: its descriptors are diverted first
@@ -108,7 +153,8 @@ def new_file(path: str, **kwargs):
     locking=False: rank 0 holds its own lock on a temporary file (see commit.py).
     """
     before = _fds_of(path)
-    f = h5py.File(path, "w", locking=False, **kwargs)
+    with steps("open") if steps is not None else contextlib.nullcontext():
+        f = h5py.File(path, "w", locking=False, **kwargs)  # collective with MPI-IO
     try:
         yield f
     except BaseException:
@@ -116,7 +162,8 @@ def new_file(path: str, **kwargs):
         raise
     finally:
         try:
-            f.close()
+            with steps("close") if steps is not None else contextlib.nullcontext():
+                f.close()  # collective with MPI-IO
         except RuntimeError as exc:
             raise OSError(None, f"closing {path}: {exc}") from exc
 
@@ -245,26 +292,36 @@ def data_end(dsets) -> int:
     return max(ends)
 
 
-def write_parallel(path: str, entries: list[Entry], root_attrs: dict, comm) -> None:
+def write_parallel(path: str, entries: list[Entry], root_attrs: dict, comm,
+                   steps: SaveSteps | None = None) -> None:
     """Write entries and root attributes into path (collective over comm; path is overwritten).
 
     Data is written with INDEPENDENT I/O: a rank's part of a contiguous dataset is one contiguous
     extent of the file, so collective buffering only adds an exchange between ranks (measured
     about 2x slower at 2 ranks with both ompio and romio321, see `hpctrain bench checkpoint`).
-    Creating datasets and attributes stays collective, as HDF5 requires.
+    Creating datasets and attributes stays collective, as HDF5 requires. ``steps``: where
+    the flight recorder sees the save (SaveSteps; made here when not given).
     """
-    spans = agreed_spans(entries, comm)
+    steps = steps or SaveSteps(comm, 0)
+    with steps("plan"):
+        spans = agreed_spans(entries, comm)
     dxpl = h5py.h5p.create(h5py.h5p.DATASET_XFER)
     dxpl.set_dxpl_mpio(h5py.h5fd.MPIO_INDEPENDENT)
-    with new_file(path, driver="mpio", comm=comm) as f:
-        # Contiguous datasets, never filled: every byte is written by exactly one rank.
-        dsets = [f.create_dataset(e.name, shape=tuple(e.shape), dtype=storage_dtype(e.dtype),
-                                  fill_time="never") for e in entries]
-        crcs, err = _write_data(path, entries, dsets, spans, dxpl, comm.Get_rank())
-        if err is None and comm.Get_rank() == 0:  # room for what closing the file writes
-            try:
-                reserve(path, data_end(dsets) + metadata_room(entries, root_attrs))
-            except OSError as exc:
-                err = exc
-        agree_os_error(comm, err)  # all ranks leave (and close the file) together
-        finish_attrs(f, dsets, entries, merge_crcs(comm.allgather(crcs), entries), root_attrs)
+    with new_file(path, steps, driver="mpio", comm=comm) as f:
+        with steps("create"):  # collective, as every change of HDF5 metadata
+            # Contiguous datasets, never filled: every byte is written by exactly one rank.
+            dsets = [f.create_dataset(e.name, shape=tuple(e.shape),
+                                      dtype=storage_dtype(e.dtype), fill_time="never")
+                     for e in entries]
+        with steps("write"):  # this rank's own part: no other rank involved
+            crcs, err = _write_data(path, entries, dsets, spans, dxpl, comm.Get_rank())
+            if err is None and comm.Get_rank() == 0:  # room for what closing the file writes
+                try:
+                    reserve(path, data_end(dsets) + metadata_room(entries, root_attrs))
+                except OSError as exc:
+                    err = exc
+        with steps("agree"):
+            agree_os_error(comm, err)  # all ranks leave (and close the file) together
+        with steps("attrs"):
+            finish_attrs(f, dsets, entries, merge_crcs(comm.allgather(crcs), entries),
+                         root_attrs)
