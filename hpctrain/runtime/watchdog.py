@@ -35,6 +35,7 @@ triggers it: the others' pending op completes before the timeout.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import json
 import mmap
@@ -128,7 +129,7 @@ class Watchdog(threading.Thread):
         self._stop_event.set()
         self.rec.set_mirror(None)
         if self._owner:
-            shutil.rmtree(self.channel, ignore_errors=True)
+            _remove(self.channel)
 
     def discard_channel(self) -> None:
         """Remove the channel when this rank aborts the job (an exception, ranks failing
@@ -138,7 +139,7 @@ class Watchdog(threading.Thread):
         if self._reported or not os.path.exists(os.path.join(self.channel, "request")):
             self.stopped = True
             self._stop_event.set()
-            shutil.rmtree(self.channel, ignore_errors=True)
+            _remove(self.channel)
 
     # ---- heartbeats and records ---------------------------------------------------------
 
@@ -214,6 +215,18 @@ class Watchdog(threading.Thread):
         sys.stderr.write(report + "\n")
         self._reported = True  # the abort's hook removes the channel: its work is done
         abort._abort(1)
+
+
+def _remove(channel: str) -> None:
+    """Remove the channel while other ranks may still write into it: renamed first (one
+    atomic step), so that a rank's late file (a heartbeat, a 'report' claim) fails to find
+    the directory instead of landing in one being emptied (and keeping it)."""
+    gone = f"{channel}.gone{os.getpid()}"
+    try:
+        os.rename(channel, gone)
+    except OSError:
+        return  # removed (or being removed) by another rank
+    shutil.rmtree(gone, ignore_errors=True)
 
 
 def _peers(e: dict, members: list[int]) -> list[int]:
@@ -367,7 +380,7 @@ def start_watchdog(timeout_s: float, out_dir: str, mpi_comm) -> Watchdog | None:
     dog.start()
     # A process that ends without fit()'s clean stop (a script driving steps itself, an
     # exception caught by the caller) still removes the channel: 120 of them had piled
-    # up in /tmp. A stalled job aborts through os._exit and keeps its channel as evidence.
+    # up in /tmp. An abort (MPI_Abort, os._exit) runs the hook below instead.
     atexit.register(dog.stop)
     abort.BEFORE_ABORT.append(dog.discard_channel)  # MPI_Abort skips atexit
     _ACTIVE = dog
@@ -384,11 +397,41 @@ def stall_dir_of(channel: str) -> str:
     return os.path.join(parent, "hpctrain-stall-" + name[len(CHANNEL_PREFIX):])
 
 
+def _owners(path: str) -> list[tuple[str, int]]:
+    """(host, pid) of a channel's processes: rank 0's ``owner`` file, else (a channel made
+    before there was one) those its heartbeats name."""
+    try:
+        with open(os.path.join(path, "owner")) as f:
+            host, pid = f.read().split()
+        return [(host, int(pid))]
+    except (OSError, ValueError):
+        pass
+    owners = []
+    for name in os.listdir(path):
+        if name.startswith("hb-") and name.endswith(".json"):
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                with open(os.path.join(path, name)) as f:
+                    hb = json.load(f)
+                owners.append((str(hb["host"]), int(hb["pid"])))
+    return owners
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's
+    return True
+
+
 def _sweep_stale(base: str) -> None:
     """Remove the channels that ended jobs left in base (rank 0, at start): a process killed
-    by a signal (SIGKILL, an unhandled SIGTERM) runs no cleanup. A channel is stale when its
-    owner (rank 0's host and pid, in ``owner``) is this host and that process is gone, or when
-    nothing in it changed for STALE_CHANNEL_S (its owner on another host)."""
+    by a signal (SIGKILL, an unhandled SIGTERM) or ended by os._exit runs no cleanup. A
+    channel is stale when its processes (``_owners``) all ran on this host and are gone, or
+    when nothing in it changed for STALE_CHANNEL_S (processes on another host, or none
+    known): never a running job's."""
     try:
         names = [n for n in os.listdir(base) if n.startswith(CHANNEL_PREFIX)]
     except OSError:
@@ -397,25 +440,16 @@ def _sweep_stale(base: str) -> None:
     for name in names:
         path = os.path.join(base, name)
         try:
-            with open(os.path.join(path, "owner")) as f:
-                owner_host, pid = f.read().split()
-            if owner_host == host:
-                try:
-                    os.kill(int(pid), 0)
-                    continue  # a running job's
-                except ProcessLookupError:
-                    pass
-                except PermissionError:
-                    continue  # alive, another user's
-            elif time.time() - max(os.stat(os.path.join(path, n)).st_mtime
-                                   for n in os.listdir(path)) < STALE_CHANNEL_S:
-                continue
-        except (OSError, ValueError):  # no owner file (older, or being made): by age
-            try:
-                if time.time() - os.stat(path).st_mtime < STALE_CHANNEL_S:
+            owners = _owners(path)
+            if owners and all(h == host for h, _ in owners):
+                if any(_alive(pid) for _, pid in owners):
                     continue
-            except OSError:
+            elif time.time() - max([os.stat(path).st_mtime] + [
+                    os.stat(os.path.join(path, n)).st_mtime for n in os.listdir(path)]) \
+                    < STALE_CHANNEL_S:
                 continue
+        except OSError:  # removed meanwhile, or not ours to read
+            continue
         shutil.rmtree(path, ignore_errors=True)
 
 

@@ -308,17 +308,20 @@ def test_channels_left_by_killed_jobs_are_swept(tmp_path):
                              ("alive", f"{host} {os.getpid()}", 0),
                              ("remote-fresh", "elsewhere 1", 0),
                              ("remote-old", "elsewhere 1", STALE_CHANNEL_S + 60),
-                             ("no-owner-fresh", None, 0)):
+                             ("no-owner-fresh", None, 0),
+                             # made before the owner file: its heartbeats name the processes
+                             ("hb-dead", {"host": host, "pid": dead.pid}, 0),
+                             ("hb-alive", {"host": host, "pid": os.getpid()}, 0)):
         d = chans[name] = tmp_path / f".hpctrain-watchdog-{name}"
         d.mkdir()
-        (d / "hb-0.json").write_text("{}")
-        if owner:
+        (d / "hb-0.json").write_text(json.dumps(owner if isinstance(owner, dict) else {}))
+        if isinstance(owner, str):
             (d / "owner").write_text(owner + "\n")
         for f in [d, *d.iterdir()]:
             os.utime(f, (time.time() - age,) * 2)
     (tmp_path / "unrelated").mkdir()
     _sweep_stale(str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        ".hpctrain-watchdog-alive", ".hpctrain-watchdog-no-owner-fresh",
-        ".hpctrain-watchdog-remote-fresh", "unrelated"]
+        ".hpctrain-watchdog-alive", ".hpctrain-watchdog-hb-alive",
+        ".hpctrain-watchdog-no-owner-fresh", ".hpctrain-watchdog-remote-fresh", "unrelated"]
     assert stall_dir_of("/tmp/.hpctrain-watchdog-ab12") == "/tmp/hpctrain-stall-ab12"
