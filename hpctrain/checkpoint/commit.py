@@ -22,7 +22,7 @@ from hpctrain.checkpoint.layout import Entry, numel, storage_dtype
 from hpctrain.checkpoint.reader import CheckpointError, raise_agreed
 from hpctrain.checkpoint.serial_fallback import (drop_unused_parts, parts_dir, use_serial,
                                                  write_serial)
-from hpctrain.checkpoint.writer import write_parallel
+from hpctrain.checkpoint.writer import SaveSteps, write_parallel
 
 __all__ = ["write_entries", "clean_stale", "STALE_AGE_S", "CLAIM_WAIT_S"]
 
@@ -174,13 +174,14 @@ def _claim(tmp: str, final: str, needed: int, comm) -> _Claim | None:
     return claim
 
 
-def _write(tmp: str, final: str, entries: list[Entry], attrs: dict, comm, needed: int):
+def _write(tmp: str, final: str, entries: list[Entry], attrs: dict, comm, needed: int,
+           steps: SaveSteps):
     """Write tmp with the parallel or the serial writer; this rank's failure message or None."""
     try:
         if use_serial(comm.Get_rank()):
-            write_serial(tmp, final, entries, attrs, comm)
+            write_serial(tmp, final, entries, attrs, comm, steps)
         else:
-            write_parallel(tmp, entries, attrs, comm)
+            write_parallel(tmp, entries, attrs, comm, steps)
     except OSError as exc:
         return _failure(exc, final, needed)
     return None
@@ -193,6 +194,9 @@ def _commit(tmp: str, final: str, comm, needed: int) -> None:
     if comm.Get_rank() == 0:
         try:
             with open(tmp, "rb+") as fh:
+                # give back the room reserved for the closing flush (writer.reserve) that it
+                # did not use: blocks past the end stay allocated until a truncation
+                os.ftruncate(fh.fileno(), os.fstat(fh.fileno()).st_size)
                 os.fsync(fh.fileno())
             os.replace(tmp, final)
         except OSError as exc:
@@ -219,20 +223,25 @@ def write_entries(final: str, entries: list[Entry], attrs: dict, comm) -> None:
     so, with the size needed); nothing of the failed save is left behind.
     """
     tmp, needed = manager.tmp_path(final), _nbytes(entries)
-    claim = _claim(tmp, final, needed, comm)
-    try:
-        err = _write(tmp, final, entries, attrs, comm, needed)
-        raise_agreed(comm, err)
-        _commit(tmp, final, comm, needed)
-        if claim is not None:
-            drop_unused_parts(final)  # the parts of the master this one replaced
-    except BaseException:
-        if claim is not None:
-            _discard(tmp, final)
-        raise
-    finally:
-        if claim is not None:
-            claim.close()
+    # Every step is in the flight recorder: a rank stuck in one is seen by the watchdog.
+    with SaveSteps(comm, needed) as steps:
+        with steps("claim"):
+            claim = _claim(tmp, final, needed, comm)
+        try:
+            err = _write(tmp, final, entries, attrs, comm, needed, steps)
+            with steps("result"):
+                raise_agreed(comm, err)
+            with steps("commit"):  # rank 0 syncs and renames, the others wait for its word
+                _commit(tmp, final, comm, needed)
+            if claim is not None:
+                drop_unused_parts(final)  # the parts of the master this one replaced
+        except BaseException:
+            if claim is not None:
+                _discard(tmp, final)
+            raise
+        finally:
+            if claim is not None:
+                claim.close()
 
 
 def _clean_step(final: str) -> list[str]:

@@ -17,8 +17,9 @@ import h5py
 import numpy as np
 
 from hpctrain.checkpoint.layout import Entry, block_elems, local_flat, numel, storage_dtype
-from hpctrain.checkpoint.writer import (agree_os_error, agreed_spans, fault_hook, finish_attrs,
-                                        merge_crcs, new_file, region_crcs)
+from hpctrain.checkpoint.writer import (SaveSteps, agree_os_error, agreed_spans, data_end,
+                                        fault_hook, finish_attrs, merge_crcs, metadata_room,
+                                        new_file, region_crcs, reserve)
 from hpctrain.runtime.env import env_flag
 
 __all__ = ["write_serial", "parts_dir", "use_serial", "drop_unused_parts", "FORCE_ENV"]
@@ -106,16 +107,18 @@ def _write_parts(path: str, entries: list[Entry], spans, rank: int):
     crcs, pieces, scalars = {}, {}, {}
     try:
         with new_file(path) as f:
+            dsets = []
             for i, (e, region) in enumerate(zip(entries, spans)):
                 if region.size:
                     flat = local_flat(e, region)
                     if len(e.shape) == 0:  # VDS needs a rank >= 1 selection: in the master
                         scalars[i] = flat.copy()
                     else:
-                        f.create_dataset(e.name, data=flat)
+                        dsets.append(f.create_dataset(e.name, data=flat))
                     crcs[i] = region_crcs(flat, region, block_elems(flat.dtype.itemsize))
                     pieces[i] = (region.boxes, region.size)
-                fault_hook(rank, i + 1)
+                fault_hook(rank, i + 1, path)
+            reserve(path, data_end(dsets) + metadata_room(entries, {}))  # for the close
     except OSError as exc:  # a full disk: the other ranks must hear of it, not hang
         return crcs, pieces, scalars, exc
     return crcs, pieces, scalars, None
@@ -136,22 +139,30 @@ def _new_part_dir(final_path: str, comm) -> str:
 
 
 def write_serial(tmp_path: str, final_path: str, entries: list[Entry], root_attrs: dict,
-                 comm) -> None:
+                 comm, steps: SaveSteps | None = None) -> None:
     """Each rank writes its flat parts to its own file; rank 0 writes the master at tmp_path.
 
     A write error on any rank raises OSError on every rank; one in the master (rank 0 only)
-    is left to the caller to agree on.
+    is left to the caller to agree on. ``steps``: as for write_parallel.
     """
     rank = comm.Get_rank()
-    spans = agreed_spans(entries, comm)
-    sub = _new_part_dir(final_path, comm)
-    crcs, pieces, scalars, err = _write_parts(os.path.join(sub, f"rank-{rank:05d}.h5"),
-                                              entries, spans, rank)
-    agree_os_error(comm, err)
-    gathered = comm.allgather((crcs, pieces, scalars))
+    steps = steps or SaveSteps(comm, 0)
+    with steps("plan"):
+        spans = agreed_spans(entries, comm)
+        sub = _new_part_dir(final_path, comm)
+    with steps("write"):  # this rank's own file
+        crcs, pieces, scalars, err = _write_parts(os.path.join(sub, f"rank-{rank:05d}.h5"),
+                                                  entries, spans, rank)
+    with steps("agree"):
+        agree_os_error(comm, err)
+        gathered = comm.allgather((crcs, pieces, scalars))
     merged = merge_crcs([g[0] for g in gathered], entries)
-    if rank != 0:
-        return
+    with steps("master"):  # rank 0's alone: the others wait in the caller's next step
+        if rank == 0:
+            _write_master(tmp_path, final_path, sub, entries, root_attrs, gathered, merged)
+
+
+def _write_master(tmp_path, final_path, sub, entries, root_attrs, gathered, merged) -> None:
     # Relative to the master file's directory (the reader sets the prefix).
     rel = os.path.join(os.path.basename(parts_dir(final_path)), os.path.basename(sub))
     with new_file(tmp_path) as f:
@@ -171,4 +182,7 @@ def write_serial(tmp_path: str, final_path: str, entries: list[Entry], root_attr
                                 h5py.h5s.create_simple(shape),
                                 dcpl=_virtual_dcpl(shape, srcs, e.name))
                 dsets.append(f[e.name])
-        finish_attrs(f, dsets, entries, merged, {**root_attrs, "layout": "virtual", "parts": rel})
+        attrs = {**root_attrs, "layout": "virtual", "parts": rel}
+        reserve(tmp_path, data_end(dsets) + metadata_room(entries, attrs)
+                + 512 * sum(len(g[1]) for g in gathered))  # the virtual mappings
+        finish_attrs(f, dsets, entries, merged, attrs)

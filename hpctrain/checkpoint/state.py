@@ -14,6 +14,7 @@ from hpctrain.checkpoint.commit import write_entries
 from hpctrain.checkpoint.layout import Entry, from_numpy
 from hpctrain.checkpoint.meta import JSON_ATTRS, torch_dtype
 from hpctrain.checkpoint.reader import CheckpointError, Reader, raise_agreed
+from hpctrain.checkpoint.writer import SaveSteps
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_model_state", "read_model_state",
            "write_entries", "attr_problems", "FORMAT", "MODEL_FORMAT"]
@@ -107,7 +108,9 @@ def save_checkpoint(directory: str, step: int, par, world, cfg, sampler, losses,
     ``schedule``: the lr schedule (train/schedule.py), its state_dict stored as JSON."""
     from hpctrain import __version__
 
-    _agree_dir(directory, world.mpi_comm)
+    steps = SaveSteps(world.mpi_comm, 0)  # the watchdog sees these steps too
+    with steps, steps("dir"):
+        _agree_dir(directory, world.mpi_comm)
     final = manager.checkpoint_path(directory, step)
     meta = {"sampler_state": sampler.state_dict(),
             "grad_scaler": scaler.state_dict() if scaler is not None else {},
@@ -121,9 +124,10 @@ def save_checkpoint(directory: str, step: int, par, world, cfg, sampler, losses,
     }
     entries = par.state_entries() + _run_entries(world, sampler, losses)
     write_entries(final, entries, attrs, world.mpi_comm)
-    if world.rank == 0:
-        _after_save(directory, final, keep)
-    world.mpi_comm.Barrier()
+    with steps, steps("prune"):
+        if world.rank == 0:
+            _after_save(directory, final, keep)
+        world.mpi_comm.Barrier()
     return final
 
 

@@ -52,7 +52,8 @@ from hpctrain.runtime.env import TRUE_WORDS, env_flag
 from hpctrain.runtime.timeline import TIMELINE
 
 __all__ = ["RECORDER", "FlightRecorder", "Entry", "IMPLEMENTATION", "check_env",
-           "pure_requested", "group_key", "members_of", "describe", "human_bytes"]
+           "pure_requested", "group_key", "ranks_key", "members_of", "describe", "human_bytes",
+           "IO_PREFIX"]
 
 PURE_ENV = "HPCTRAIN_FLIGHT_PURE"
 
@@ -150,6 +151,11 @@ def group_key(comm) -> str:
     return key
 
 
+def ranks_key(name: str, ranks) -> str:
+    """'name[r0,r1,...]' for a group of world ranks (what group_key makes for a comm)."""
+    return f"{name}[{_ranks_text(ranks)}]"
+
+
 def _ranks_text(ranks) -> str:
     """'0,2' for few ranks; 'a-b' or 'a-b/step' for an arithmetic run (keys stay short at
     thousands of ranks)."""
@@ -174,6 +180,10 @@ def members_of(group: str, size: int) -> list[int]:
     except ValueError:
         return list(range(size))
 
+
+#: Ops named so are steps of a checkpoint save (checkpoint/writer.py SaveSteps): file I/O,
+#: not communication; their nbytes is the file's size (the watchdog allows time for it).
+IO_PREFIX = "ckpt_"
 
 P2P_OPS = frozenset(("send", "recv", "isend", "irecv", "p2p_group", "isend_boxes",
                      "irecv_boxes"))

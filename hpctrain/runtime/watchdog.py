@@ -20,9 +20,14 @@ The channel is a per-job directory, not a communicator: it keeps working when a 
 (SIGSTOP) or dead, and needs no MPI call while the stuck one is still in progress. It is made
 by rank 0 at start (under out_dir, or the system temp dir when out_dir is "": then it is
 node-local, so on several nodes the report covers only the ranks of the reporting node, and
-the stall-rank-R.txt / flight-rank-R.json files go into it; the report names the path) and
-removed by :meth:`Watchdog.stop` at the end of a clean run (a stalled job leaves it: it holds
-the heartbeats the report was made from). A stopped rank's heartbeat is at most 0.5 s old; its mirror is exact.
+the stall-rank-R.txt / flight-rank-R.json files go into a visible ``hpctrain-stall-*``
+folder beside it; the report names the path). It is working state, never evidence, and is
+removed on every end a process can act on: :meth:`Watchdog.stop` at the end of a run (and
+at exit), any rank that aborts the job (an exception, failing together), and the reporter of
+a stall once its report is written. A job killed by a signal (SIGKILL; SIGTERM where training
+does not handle it: a Python handler would keep a rank stuck in MPI from dying) leaves it;
+the next start in the same directory removes it (``_sweep_stale``: its owner is gone). A
+stopped rank's heartbeat is at most 0.5 s old; its mirror is exact.
 A rank merely slower than the timeout (long evaluation or checkpoint on rank 0) never
 triggers it: the others' pending op completes before the timeout.
 """
@@ -30,6 +35,7 @@ triggers it: the others' pending op completes before the timeout.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import json
 import mmap
@@ -42,14 +48,23 @@ import threading
 import time
 
 from hpctrain.runtime import abort
-from hpctrain.runtime.flight import (MIRROR_SIZE, RECORDER, describe, human_bytes, members_of,
-                                    read_mirror, write_json)
+from hpctrain.runtime.flight import (IO_PREFIX, MIRROR_SIZE, RECORDER, describe, human_bytes,
+                                    members_of, read_mirror, write_json)
 
 __all__ = ["Watchdog", "start_watchdog", "compose_report"]
 
 # Heartbeats (per-group sequence numbers, last entries) at most this often: a JSON write costs
 # ~0.1-1 ms of this rank's time. The exact last op comes from the mmap mirror anyway.
 HEARTBEAT_S = 0.5
+# A checkpoint step (an op named ckpt_*, its bytes the file's) may wait while another rank
+# writes: on top of the timeout, the time the whole file takes at this floor of a parallel
+# file system's speed (20 MB/s: 1 GB adds 50 s). A save that has not ended by then is stuck.
+IO_FLOOR_BPS = 20e6
+
+
+def io_allowance_s(op: str, nbytes) -> float:
+    """Seconds an op may take beyond the timeout: the I/O of a checkpoint step, else none."""
+    return (nbytes or 0) / IO_FLOOR_BPS if op.startswith(IO_PREFIX) else 0.0
 
 
 class Watchdog(threading.Thread):
@@ -70,6 +85,7 @@ class Watchdog(threading.Thread):
         self.stopped = False
         self._last_count = -1
         self._responded = False
+        self._reported = False  # this rank wrote the stall report: the channel may go
         self._host = socket.gethostname()
 
     @property
@@ -99,7 +115,8 @@ class Watchdog(threading.Thread):
                     self.rec.reap_device()
                 self._heartbeat()
                 e = self.rec.oldest_pending()
-                if e is not None and time.time() - e.start > self.timeout_s:
+                if e is not None and time.time() - e.start > self.timeout_s + io_allowance_s(
+                        e.op, e.nbytes):
                     self._request(e)
                     return
         except Exception as exc:  # noqa: BLE001 - a broken watchdog must not kill training
@@ -112,17 +129,17 @@ class Watchdog(threading.Thread):
         self._stop_event.set()
         self.rec.set_mirror(None)
         if self._owner:
-            shutil.rmtree(self.channel, ignore_errors=True)
+            _remove(self.channel)
 
     def discard_channel(self) -> None:
         """Remove the channel when this rank aborts the job (an exception, ranks failing
         together; any rank: the directory is shared by the ranks of a node or a file
-        system), unless a stall is being reported from it (its heartbeats and mirrors are
-        the report's evidence)."""
-        if not os.path.exists(os.path.join(self.channel, "request")):
+        system), unless a stall is being reported from it and this rank is not the
+        reporter (the heartbeats and mirrors are what the report is made from)."""
+        if self._reported or not os.path.exists(os.path.join(self.channel, "request")):
             self.stopped = True
             self._stop_event.set()
-            shutil.rmtree(self.channel, ignore_errors=True)
+            _remove(self.channel)
 
     # ---- heartbeats and records ---------------------------------------------------------
 
@@ -162,16 +179,21 @@ class Watchdog(threading.Thread):
 
     def _request(self, e) -> None:
         """This rank saw the stall first (or among the first): ask all ranks, then report."""
+        if not os.path.isdir(self.channel):
+            return  # a reporter removed it and is ending the job (this rank was stopped)
         try:
             fd = os.open(os.path.join(self.channel, "request"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
             os.write(fd, json.dumps({"rank": self.rank, "entry": e.as_dict()}).encode())
             os.close(fd)
         except FileExistsError:
             pass
+        except FileNotFoundError:
+            return  # removed meanwhile, as above
         self._respond(e)
 
     def _respond(self, own=None) -> None:
-        if os.path.exists(os.path.join(self.channel, "report")):
+        if not os.path.isdir(self.channel) or os.path.exists(
+                os.path.join(self.channel, "report")):
             return  # reported already: Open MPI's abort SIGCONTs a stopped rank before killing it
         self._dump("stall reported" if own is None else
                    f"pending longer than {self.timeout_s:g} s: {describe(own.as_dict())}")
@@ -184,12 +206,27 @@ class Watchdog(threading.Thread):
                   file=sys.stderr, flush=True)
             abort._abort(1)
             return
+        except FileNotFoundError:
+            return  # the reporter is ending the job and removed the channel
         os.close(fd)
         report = compose_report(self.channel, self.size, self.timeout_s, self.out_dir)
         with open(os.path.join(self.out_dir, "stall-report.txt"), "w") as f:
             f.write(report + "\n")
         sys.stderr.write(report + "\n")
+        self._reported = True  # the abort's hook removes the channel: its work is done
         abort._abort(1)
+
+
+def _remove(channel: str) -> None:
+    """Remove the channel while other ranks may still write into it: renamed first (one
+    atomic step), so that a rank's late file (a heartbeat, a 'report' claim) fails to find
+    the directory instead of landing in one being emptied (and keeping it)."""
+    gone = f"{channel}.gone{os.getpid()}"
+    try:
+        os.rename(channel, gone)
+    except OSError:
+        return  # removed (or being removed) by another rank
+    shutil.rmtree(gone, ignore_errors=True)
 
 
 def _peers(e: dict, members: list[int]) -> list[int]:
@@ -265,8 +302,12 @@ def compose_report(channel: str, size: int, timeout_s: float, out_dir: str) -> s
     waited = time.time() - e["start"]
     size_txt = f" ({human_bytes(e['nbytes'])})" if e.get("nbytes") else ""
     step = f"step {e['step']}: " if e.get("step") is not None else ""
-    lines = [f"hpctrain: STALL {step}{e['op']} #{seq} over {group}{size_txt} pending "
-             f"{waited:.0f} s (timeout {timeout_s:g} s) on ranks {entered}"
+    extra = io_allowance_s(e["op"], e.get("nbytes"))
+    limit = f"timeout {timeout_s:g} s" + (f" + {extra:.0f} s for the checkpoint's I/O"
+                                          if extra >= 0.5 else "")
+    phase = f"{e['phase']}, " if e.get("phase") and e["op"].startswith(IO_PREFIX) else ""
+    lines = [f"hpctrain: STALL {step}{phase}{e['op']} #{seq} over {group}{size_txt} pending "
+             f"{waited:.0f} s ({limit}) on ranks {entered}"
              + (("; ranks {} never entered it" if collective else
                  "; its peer ranks {} never answered").format(never) if never else "")]
     for r in silent:
@@ -328,16 +369,89 @@ def start_watchdog(timeout_s: float, out_dir: str, mpi_comm) -> Watchdog | None:
         base = out_dir or None
         if base:
             os.makedirs(base, exist_ok=True)
-        channel = tempfile.mkdtemp(prefix=".hpctrain-watchdog-", dir=base)
+        _sweep_stale(base or tempfile.gettempdir())
+        channel = tempfile.mkdtemp(prefix=CHANNEL_PREFIX, dir=base)
+        with open(os.path.join(channel, "owner"), "w") as f:  # for a later _sweep_stale
+            f.write(f"{socket.gethostname()} {os.getpid()}\n")
     channel = mpi_comm.bcast(channel, root=0)  # bootstrap only: a pickled string is fine
-    dog = Watchdog(timeout_s, channel, out_dir or channel, rank, mpi_comm.Get_size(),
-                   owner=rank == 0)
+    dog = Watchdog(timeout_s, channel, out_dir or stall_dir_of(channel), rank,
+                   mpi_comm.Get_size(), owner=rank == 0)
     dog.attach_mirror()
     dog.start()
     # A process that ends without fit()'s clean stop (a script driving steps itself, an
     # exception caught by the caller) still removes the channel: 120 of them had piled
-    # up in /tmp. A stalled job aborts through os._exit and keeps its channel as evidence.
+    # up in /tmp. An abort (MPI_Abort, os._exit) runs the hook below instead.
     atexit.register(dog.stop)
     abort.BEFORE_ABORT.append(dog.discard_channel)  # MPI_Abort skips atexit
     _ACTIVE = dog
     return dog
+
+
+CHANNEL_PREFIX = ".hpctrain-watchdog-"
+
+
+def stall_dir_of(channel: str) -> str:
+    """Where a job without out_dir gets its stall files: a visible folder beside the channel
+    (made when a stall is reported), named after it."""
+    parent, name = os.path.split(channel.rstrip(os.sep))
+    return os.path.join(parent, "hpctrain-stall-" + name[len(CHANNEL_PREFIX):])
+
+
+def _owners(path: str) -> list[tuple[str, int]]:
+    """(host, pid) of a channel's processes: rank 0's ``owner`` file, else (a channel made
+    before there was one) those its heartbeats name."""
+    try:
+        with open(os.path.join(path, "owner")) as f:
+            host, pid = f.read().split()
+        return [(host, int(pid))]
+    except (OSError, ValueError):
+        pass
+    owners = []
+    for name in os.listdir(path):
+        if name.startswith("hb-") and name.endswith(".json"):
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                with open(os.path.join(path, name)) as f:
+                    hb = json.load(f)
+                owners.append((str(hb["host"]), int(hb["pid"])))
+    return owners
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's
+    return True
+
+
+def _sweep_stale(base: str) -> None:
+    """Remove the channels that ended jobs left in base (rank 0, at start): a process killed
+    by a signal (SIGKILL, an unhandled SIGTERM) or ended by os._exit runs no cleanup. A
+    channel is stale when its processes (``_owners``) all ran on this host and are gone, or
+    when nothing in it changed for STALE_CHANNEL_S (processes on another host, or none
+    known): never a running job's."""
+    try:
+        names = [n for n in os.listdir(base) if n.startswith(CHANNEL_PREFIX)]
+    except OSError:
+        return
+    host = socket.gethostname()
+    for name in names:
+        path = os.path.join(base, name)
+        try:
+            owners = _owners(path)
+            if owners and all(h == host for h, _ in owners):
+                if any(_alive(pid) for _, pid in owners):
+                    continue
+            elif time.time() - max([os.stat(path).st_mtime] + [
+                    os.stat(os.path.join(path, n)).st_mtime for n in os.listdir(path)]) \
+                    < STALE_CHANNEL_S:
+                continue
+        except OSError:  # removed meanwhile, or not ours to read
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
+#: A channel of another host untouched this long belongs to a job that ended.
+STALE_CHANNEL_S = 24 * 3600

@@ -1,6 +1,7 @@
 """Checkpoint faults that lost data or hung: full disk, shared directories, lagging listings,
 a damaged newest checkpoint, saving a step again in serial mode (fault_worker runs the cases)."""
 
+import contextlib
 import os
 import re
 import subprocess
@@ -8,7 +9,8 @@ import subprocess
 import pytest
 
 from hpctrain.checkpoint import manager
-from tests.mpirun import run_mpi
+from hpctrain.checkpoint.writer import FAULT_ENV
+from tests.mpirun import run_mpi, run_single
 
 WORKER = ["-W", "ignore::RuntimeWarning", "-m", "tests.checkpoint.fault_worker"]
 
@@ -30,22 +32,46 @@ def test_fault_cases(tmp_path, n):
     assert "metadata checksum mismatch" in proc.stderr
 
 
-@pytest.mark.mpi
-def test_real_full_disk(tmp_path):
-    small = tmp_path / "small"
-    small.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(small)],
+@contextlib.contextmanager
+def _tmpfs(path, size):
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
                              capture_output=True)
     if mounted.returncode != 0:
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     try:
-        proc = run_mpi(2, WORKER + [str(tmp_path), "real_full_disk"], check=False, timeout=120,
-                       env={"SMALL_FS": str(small)})
+        yield path
     finally:
         # Lazy: the ranks' launcher may hold it a moment longer; it goes once they let go.
-        subprocess.run(["umount", "-l", str(small)], check=True)
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+@pytest.mark.mpi
+def test_real_full_disk(tmp_path):
+    with _tmpfs(tmp_path / "small", "300k") as small:
+        proc = run_mpi(2, WORKER + [str(tmp_path), "real_full_disk"], check=False, timeout=120,
+                       env={"SMALL_FS": str(small)})
     out = proc.stdout + proc.stderr
     assert "rank 0: real_full_disk ok" in out and "rank 1: real_full_disk ok" in out, out
+    assert proc.returncode == 0, out  # no crash at exit after the failed saves
+
+
+def test_disk_filling_during_a_save_exits_1_with_one_line(tmp_path):
+    """The CLI at one rank (HDF5's MPI-IO driver still): the disk fills as the save writes
+    (another writer takes the rest once the first dataset is written). Exit 1, the one line
+    last, the partial file gone; it used to segfault at exit (139) after the line."""
+    with _tmpfs(tmp_path / "ck", "2m") as ck:
+        proc = run_single(["-m", "hpctrain", "train", "--steps", "1", "--checkpoint-every",
+                           "1", "--checkpoint-dir", str(ck), "--out-dir", str(tmp_path / "out"),
+                           "--progress", "off"], check=False, timeout=60,
+                          env={FAULT_ENV: "0:1:fill"})
+        left = sorted(os.listdir(ck))
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1, proc.stderr
+    assert last.startswith(f"hpctrain: error: checkpoint write to {ck}/ckpt-000001.h5 failed: "
+                           "no space left on device (needed ~"), proc.stderr
+    assert proc.stderr.count("hpctrain: error:") == 1, proc.stderr
+    assert left == [".filler"], left
 
 
 def test_prune_tolerates_files_another_job_removed(tmp_path, monkeypatch):

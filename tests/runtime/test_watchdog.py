@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from hpctrain.checkpoint.writer import FAULT_ENV
 from hpctrain.runtime.flight import FlightRecorder
 from hpctrain.runtime.flight_trace import divergences, format_divergences
 from tests.mpirun import ROOT, mpi_env
@@ -93,8 +94,26 @@ def _launch4(tmp_path, name, kind, rank=3, **kw):
 def test_a_stopped_rank_is_named_and_the_job_ends(tmp_path):
     jobs = {s: _launch(tmp_path, s, "stop") for s in STRATEGIES}
     jobs["pp2xdp2-zero3@4"] = _launch4(tmp_path, "pp2xdp2-zero3@4", "stop")
+    # rank 1 stops inside the first checkpoint save, after writing 2 datasets of its part of
+    # the .tmp file (a hung file system): rank 0 waits in the save's next collective step
+    ckpt = tmp_path / "zero3-ckpt"
+    jobs["zero3-ckpt"] = _launch(tmp_path, "zero3", "ckpt", rank=-1, flags=[
+        "--checkpoint-dir", str(ckpt / "ck"), "--checkpoint-every", "2"],
+        extra_env={FAULT_ENV: "1:2:stop"})
     ends = _end_times(jobs)
     done = _finish(jobs)
+    d, rc, _, err = done.pop("zero3-ckpt")
+    assert rc != 0 and ends["zero3-ckpt"] - _fault_time(d) < TIMEOUT_S + 30, err
+    assert err.count("hpctrain: STALL") == 1, err
+    head = next(ln for ln in err.splitlines() if ln.startswith("hpctrain: STALL"))
+    assert head.startswith("hpctrain: STALL step 2: checkpoint, ckpt_") and \
+        head.endswith("on ranks [0]; ranks [1] never entered it"), err
+    assert "rank 1 (pid" in err and "did not respond" in err, err
+    assert "last recorded: step 2 checkpoint, ckpt_write #" in err, err  # its .tmp part
+    assert (d / "stall-report.txt").read_text().splitlines()[0] == head
+    assert [p.name for p in (d / "ck").iterdir()] == ["ckpt-000002.h5.tmp"]
+    for d, *_ in [done[s] for s in done] + [(d,)]:  # the reporter removed the channel
+        assert not list(d.glob(".hpctrain-watchdog-*")), list(d.iterdir())
     d, rc, _, err = done.pop("pp2xdp2-zero3@4")
     # rank 3 (last stage, second replica) stops: its stage peer and its replica wait on it
     assert rc != 0 and ends["pp2xdp2-zero3@4"] - _fault_time(d) < TIMEOUT_S + 30, err
@@ -259,3 +278,50 @@ def test_group_keys_stay_short_and_parse_back():
                         ([1, 3, 5, 7], "1-7/2"), ([0, 5, 6], "0,5,6")):
         assert _ranks_text(ranks) == text and members_of(f"dp[{text}]", 8) == ranks
     assert members_of("world[size4]", 4) == [0, 1, 2, 3]
+
+
+def test_flight_pure_is_a_boolean():
+    from hpctrain.errors import EnvError
+    from hpctrain.runtime.flight import PURE_ENV, check_env, pure_requested
+
+    for word in ("1", "true", "YES", " on "):
+        assert pure_requested({PURE_ENV: word}) and check_env({PURE_ENV: word}) is None
+    for word in ("0", "false", "no", "off", "Off", ""):
+        assert not pure_requested({PURE_ENV: word}) and check_env({PURE_ENV: word}) is None
+    assert not pure_requested({})
+    with pytest.raises(EnvError, match=r"HPCTRAIN_FLIGHT_PURE='maybe' is not a clear boolean"):
+        check_env({PURE_ENV: "maybe"})
+
+
+def test_channels_left_by_killed_jobs_are_swept(tmp_path):
+    """A job killed by a signal runs no cleanup: the next start removes its channel (owner
+    gone, or nothing changed for a day), never a running job's."""
+    import socket
+
+    from hpctrain.runtime.watchdog import STALE_CHANNEL_S, _sweep_stale, stall_dir_of
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    chans = {}
+    for name, owner, age in (("dead", f"{host} {dead.pid}", 0),
+                             ("alive", f"{host} {os.getpid()}", 0),
+                             ("remote-fresh", "elsewhere 1", 0),
+                             ("remote-old", "elsewhere 1", STALE_CHANNEL_S + 60),
+                             ("no-owner-fresh", None, 0),
+                             # made before the owner file: its heartbeats name the processes
+                             ("hb-dead", {"host": host, "pid": dead.pid}, 0),
+                             ("hb-alive", {"host": host, "pid": os.getpid()}, 0)):
+        d = chans[name] = tmp_path / f".hpctrain-watchdog-{name}"
+        d.mkdir()
+        (d / "hb-0.json").write_text(json.dumps(owner if isinstance(owner, dict) else {}))
+        if isinstance(owner, str):
+            (d / "owner").write_text(owner + "\n")
+        for f in [d, *d.iterdir()]:
+            os.utime(f, (time.time() - age,) * 2)
+    (tmp_path / "unrelated").mkdir()
+    _sweep_stale(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".hpctrain-watchdog-alive", ".hpctrain-watchdog-hb-alive",
+        ".hpctrain-watchdog-no-owner-fresh", ".hpctrain-watchdog-remote-fresh", "unrelated"]
+    assert stall_dir_of("/tmp/.hpctrain-watchdog-ab12") == "/tmp/hpctrain-stall-ab12"
