@@ -9,6 +9,7 @@ launches."""
 
 import json
 import os
+import shutil
 import subprocess
 
 import h5py
@@ -233,9 +234,17 @@ def test_auto_resume_skips_corrupt_newest(resumed, tmp_path):
     flags = [f.format(d=d) for f in SKIPS_FLAGS]
     with h5py.File(d / "ckpt-000006.h5", "r+") as f:
         f["optim/stem.weight/exp_avg"][0, 0] += 1.0
+    # An older copy of step 3 under the name of step 9: auto goes by the saved step, and
+    # among files of one step by the last written, not by the name.
+    shutil.copyfile(d / "ckpt-000003.h5", d / "ckpt-000009.h5")
+    older = os.stat(d / "ckpt-000003.h5").st_mtime - 60
+    os.utime(d / "ckpt-000009.h5", (older, older))
     proc = _run(2, "ddp", "adamw", 6, tmp_path / "b.json", flags + ["--resume", "auto"])
     assert proc.stderr.count(f"--resume auto skips checkpoint {d / 'ckpt-000006.h5'}: dataset "
                              f"'optim/stem.weight/exp_avg' fails its checksum") == 1
+    assert proc.stdout.count("--resume auto picked") == 1
+    assert (f"hpctrain: --resume auto picked {d / 'ckpt-000003.h5'}: step 3, the highest step "
+            f"in {d} that verifies; of the 2 files at that step, the last written\n") in proc.stdout
     assert f"resumed from {d / 'ckpt-000003.h5'} at step 3" in proc.stdout
     np.testing.assert_allclose(_losses(tmp_path / "b.json"), a["losses"], rtol=1e-6)
     # Named explicitly, a damaged file still stops the run.
