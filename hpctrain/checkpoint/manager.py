@@ -59,16 +59,20 @@ def write_latest_pointer(directory: str, path: str) -> None:
         raise
 
 
-def prune(directory: str, keep: int) -> list[str]:
+def prune(directory: str, keep: int, written: str | None = None) -> list[str]:
     """Delete all but the newest keep checkpoints (keep <= 0 keeps all); never raises.
 
-    Returns what could not be deleted, with why; a file already gone (another job sharing
-    the directory pruned it) is not a problem.
+    ``written``: the checkpoint just saved, never deleted (a file named for a higher step,
+    copied or renamed into the directory, would otherwise outrank it). Returns what could
+    not be deleted, with why; a file already gone (another job sharing the directory pruned
+    it) is not a problem.
     """
     if keep <= 0:
         return []
     problems = []
     for _, path in list_checkpoints(directory)[:-keep]:
+        if path == written:
+            continue
         try:
             os.remove(path)
         except FileNotFoundError:

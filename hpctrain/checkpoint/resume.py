@@ -2,9 +2,10 @@
 
 Each rank listing the directory itself goes wrong: with a lagging shared file system (or
 node-local directories) ranks picked different steps and the job hung; and a corrupt newest
-checkpoint stopped every requeued restart. Here rank 0 lists, newest first; all ranks verify
-each candidate together (every rank opens it, each checks its share of the checksums) and a
-damaged one is skipped with the reason. A rank that cannot open the file rank 0 can open
+checkpoint stopped every requeued restart. Here rank 0 lists them, highest step first (the
+step in each file's verified metadata, not its name); all ranks verify each candidate
+together (every rank opens it, each checks its share of the checksums) and a damaged one
+is skipped with the reason. A rank that cannot open the file rank 0 can open
 stops the job on every rank: the directory is not shared.
 """
 
@@ -69,13 +70,59 @@ def _verify(path: str, comm) -> str | None:
     return bad[0] if bad else None
 
 
+def _ranked(directory: str) -> tuple[list[tuple[int, str]], list[str]]:
+    """((step, path) of the checkpoints in directory, highest step first; why each other
+    one cannot be used), read on this process.
+
+    The order is by the step in each file's verified metadata, not by its name (a renamed
+    or copied file names a step it does not hold); among files of the same step the newest
+    write (modification time) comes first, then the higher name.
+    """
+    found, skipped = [], []
+    for _, path in list_checkpoints(directory):
+        try:
+            with Reader(path) as reader:
+                problems = attr_problems(reader)
+                step = None if problems else int(reader.attrs["step"])
+            mtime = os.stat(path).st_mtime_ns
+        except CheckpointError as exc:
+            skipped.append(str(exc))
+            continue
+        except Exception as exc:  # noqa: BLE001 - rank 0 alone: the others wait in the bcast
+            skipped.append(f"checkpoint {path} cannot be read ({type(exc).__name__}: {exc})")
+            continue
+        if problems:
+            skipped.append(f"checkpoint {path}: {problems[0]}")
+        else:
+            found.append((step, mtime, path))
+    return [(step, path) for step, _, path in sorted(found, reverse=True)], skipped
+
+
+def _skip(comm, why: str) -> None:
+    if comm.Get_rank() == 0:
+        print(f"hpctrain: warning: --resume auto skips {why}; trying the next older "
+              f"checkpoint", file=sys.stderr, flush=True)
+
+
+def _picked(path: str, step: int, candidates: list, directory: str, comm) -> None:
+    """Rank 0 says which file --resume auto took, its step, and why that one."""
+    if comm.Get_rank() != 0:
+        return
+    same = sum(s == step for s, _ in candidates)
+    tie = f"; of the {same} files at that step, the last written" if same > 1 else ""
+    named = int(os.path.basename(path)[len("ckpt-"):-len(".h5")])
+    name = "" if named == step else f"; its name says step {named}"
+    print(f"hpctrain: --resume auto picked {path}: step {step}, the highest step in "
+          f"{directory} that verifies{tie}{name}", flush=True)
+
+
 def resolve_resume(resume: str, directory: str, comm=None) -> str | None:
     """The checkpoint to resume from, the same on every rank (collective over comm).
 
-    '' none; 'auto' the newest in directory that verifies (None when there is none yet;
-    CheckpointError when there are some and none verifies); else the path given, which every
-    rank must see (it is verified while it is loaded). comm: an mpi4py communicator (None:
-    this process only).
+    '' none; 'auto' the checkpoint in directory with the highest step recorded in its
+    metadata that verifies (see _ranked; None when there is none yet; CheckpointError when
+    there are some and none verifies); else the path given, which every rank must see (it
+    is verified while it is loaded). comm: an mpi4py communicator (None: this process only).
     """
     if not resume:
         return None
@@ -86,20 +133,20 @@ def resolve_resume(resume: str, directory: str, comm=None) -> str | None:
     if resume != "auto":
         _agree_exists(resume, comm)
         return resume
-    found = list_checkpoints(directory) if comm.Get_rank() == 0 and directory else []
-    candidates = comm.bcast([path for _, path in reversed(found)])
-    reasons = []
-    for path in candidates:
+    ranked = _ranked(directory) if comm.Get_rank() == 0 and directory else ([], [])
+    candidates, reasons = comm.bcast(ranked)
+    for why in reasons:
+        _skip(comm, why)
+    for step, path in candidates:
         why = _verify(path, comm)
         if why is None:
+            _picked(path, step, candidates, directory, comm)
             return path
         reasons.append(why)
-        if comm.Get_rank() == 0:
-            print(f"hpctrain: warning: --resume auto skips {why}; trying the next older "
-                  f"checkpoint", file=sys.stderr, flush=True)
+        _skip(comm, why)
     if reasons:
         raise CheckpointError(
-            f"none of the {len(reasons)} checkpoints in {directory} verifies (newest: "
+            f"none of the {len(reasons)} checkpoints in {directory} verifies (first: "
             f"{reasons[0]}); move the damaged files away to start from scratch, or pass "
             f"--resume PATH")
     return None

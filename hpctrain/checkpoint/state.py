@@ -11,6 +11,7 @@ import torch
 
 from hpctrain.checkpoint import manager
 from hpctrain.checkpoint.commit import write_entries
+from hpctrain.checkpoint.fit import fit_problems
 from hpctrain.checkpoint.layout import Entry, from_numpy
 from hpctrain.checkpoint.meta import JSON_ATTRS, torch_dtype
 from hpctrain.checkpoint.reader import CheckpointError, Reader, raise_agreed
@@ -93,7 +94,7 @@ def _after_save(directory: str, final: str, keep: int) -> None:
     (the checkpoint is complete; other ranks are not waiting on an error)."""
     try:
         manager.write_latest_pointer(directory, final)
-        problems = manager.prune(directory, keep)
+        problems = manager.prune(directory, keep, final)
     except OSError as exc:
         problems = [str(exc)]
     for p in problems:
@@ -171,6 +172,11 @@ def load_checkpoint(path: str, par, world, sampler, scaler=None,
         for msg in attr_problems(reader):
             reader.fail(msg)
         reader.check(comm)  # before any strategy reads an attribute
+        # A file of another model is refused here, on every rank together: a strategy's
+        # loader reads only its part and meets a wrong shape alone.
+        for msg in fit_problems(reader, par.state_entries()):
+            reader.fail(msg)
+        reader.check(comm)
         par.load_state_entries(reader)
         saved_world = int(reader.attrs["world_size"])
         r = world.rank % saved_world  # more ranks than written: reuse the states round-robin

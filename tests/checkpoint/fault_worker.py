@@ -8,8 +8,10 @@ Each case runs collectively in its own subdirectory of DIR and prints "rank R: C
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
+import shutil
 import sys
 import traceback
 
@@ -312,6 +314,79 @@ def explicit_missing_on_one_rank(d):
                      "does not exist")
     finally:
         os.path.isfile = real
+
+
+# -- --resume auto picks by the step in the verified metadata, not by the file name ---------
+
+def _auto_says(d: str) -> tuple[str, str]:
+    """(the path --resume auto picks, the line rank 0 printed about it)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        got = resume.resolve_resume("auto", d, COMM)
+    said = [ln for ln in out.getvalue().splitlines() if "--resume auto picked" in ln]
+    check(len(said) == (1 if RANK == 0 and got else 0), f"rank {RANK} said {said}")
+    return got, COMM.bcast(said[0] if said else "")
+
+
+def _move(src: str, dst: str, mtime: float | None = None) -> None:
+    """Rank 0 renames (or, with mtime, copies and dates) a checkpoint, as a user might."""
+    if RANK == 0:
+        if mtime is None:
+            os.rename(src, dst)
+        else:
+            shutil.copyfile(src, dst)
+            os.utime(dst, (mtime, mtime))
+    COMM.Barrier()
+
+
+@case
+def auto_renamed_old_file_loses(d):
+    old, new = _two(d)
+    renamed = manager.checkpoint_path(d, 99)
+    _move(old, renamed)  # step 10 under the name of step 99
+    got, said = _auto_says(d)
+    check(got == new, f"picked {got}, not the step-20 file")
+    check(said == f"hpctrain: --resume auto picked {new}: step 20, the highest step in {d} "
+                  f"that verifies", said)
+
+
+@case
+def auto_tie_newest_write_wins(d):
+    _, new = _two(d)
+    copy = manager.checkpoint_path(d, 30)  # step 20 again, under another name
+    _move(new, copy, mtime=os.stat(new).st_mtime - 100)
+    got, said = _auto_says(d)
+    check(got == new, f"picked {got}: the older write of step 20")
+    check(said.endswith(f"picked {new}: step 20, the highest step in {d} that verifies; of "
+                        f"the 2 files at that step, the last written"), said)
+    if RANK == 0:
+        os.utime(copy, (os.stat(new).st_mtime + 100,) * 2)
+    COMM.Barrier()
+    got, said = _auto_says(d)
+    check(got == copy, f"picked {got}: the older write of step 20")
+    check(said.endswith("the last written; its name says step 30"), said)
+
+
+@case
+def auto_skips_unreadable_by_step(d):
+    old, new = _two(d)
+    if RANK == 0:  # not HDF5, and an HDF5 file cut short: both named above step 20
+        with open(manager.checkpoint_path(d, 40), "wb") as f:
+            f.write(b"not a checkpoint")
+        with open(new, "rb") as f:
+            head = f.read(4096)
+        with open(manager.checkpoint_path(d, 30), "wb") as f:
+            f.write(head)
+    COMM.Barrier()
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        got, said = _auto_says(d)
+    check(got == new and said.endswith(f"picked {new}: step 20, the highest step in {d} that "
+                                       f"verifies"), (got, said))
+    warned = [ln for ln in err.getvalue().splitlines() if "--resume auto skips" in ln]
+    want = 2 if RANK == 0 else 0
+    check(len(warned) == want and all("ckpt-000030.h5" in w or "ckpt-000040.h5" in w
+                                      for w in warned), warned)
 
 
 def main() -> int:

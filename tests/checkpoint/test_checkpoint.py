@@ -9,13 +9,13 @@ launches."""
 
 import json
 import os
+import shutil
 import subprocess
 
 import h5py
 import numpy as np
 import pytest
 
-from hpctrain.checkpoint.meta import seal
 from tests.checkpoint.forge import FORGERIES, forge
 from tests.mpirun import run_mpi, run_single
 from tests.parallel.train_cases import run_steps
@@ -63,10 +63,52 @@ PREP = {
     "corrupt": (2, "ddp", "adamw", 3, ["--checkpoint-dir", "{d}"]),
     "skips": (2, "ddp", "adamw", 6, SKIPS_FLAGS),
     "wrong-shape": (1, "single", "sgd", 2, ["--checkpoint-dir", "{d}"]),
-    "missing": (1, "single", "adamw", 2, ["--checkpoint-dir", "{d}"]),
     "h5ls": (2, "ddp", "adamw", 6, ["--checkpoint-dir", "{d}", "--checkpoint-every", "2",
                                     "--keep", "2"]),
 }
+
+# A checkpoint of another model (another size, a layer more or less) resumed under each
+# flavour: refused with one line on every rank, with --resume auto and FILE, in-process in
+# the launches above. id -> (world, flags, model options, resume, the error's words); "{f}"
+# is the "wrong-shape" checkpoint (mlp: hidden 83, 3 layers; sgd), "{g}" a GPT's (d_model 48).
+SHAPE = "dataset 'model/stem.weight' has shape (83, 37), the model expects (50, 37)"
+EXTRA = "dataset 'model/blocks.2.fc.bias' is not a tensor of the model"
+MISSING = "dataset 'model/blocks.3.fc.weight' is missing (a tensor of the model)"
+GPT_ARGS = ["--model", "gpt", "--global-batch-size", "8", "--optimizer", "adamw", "--lr",
+            "0.003", "--progress", "off", "--out-dir", ""]
+MISFIT = {
+    "misfit-single-file": (1, ["--strategy", "single"], "{layers=2}", "{f}", EXTRA),
+    "misfit-ddp-auto": (2, ["--strategy", "ddp"], "{hidden=50}", "auto", SHAPE),
+    "misfit-zero1-file": (2, ["--strategy", "zero1"], "{hidden=50}", "{f}", SHAPE),
+    "misfit-zero2-auto": (2, ["--strategy", "zero2"], "{layers=2}", "auto", EXTRA),
+    "misfit-zero3-auto": (2, ["--strategy", "zero3"], "{hidden=50}", "auto", SHAPE),
+    "misfit-fsdp-file": (2, ["--strategy", "fsdp"], "{hidden=50}", "{f}", SHAPE),
+    "misfit-fsdp-auto": (2, ["--strategy", "fsdp"], "{layers=4}", "auto", MISSING),
+    "misfit-pp-zero1-file": (2, ["--strategy", "pipeline", "--mesh", "pp=2", "--dp-flavour",
+                                 "zero1"], "{hidden=50}", "{f}", SHAPE),
+    "misfit-tensor-file": (2, ["--strategy", "tensor"], "{d_model=64}", "{g}",
+                           "dataset 'model/tok_emb.weight' has shape (67, 48), the model "
+                           "expects (67, 64)"),
+}
+
+
+def _misfit_steps(tmp):
+    """The GPT checkpoint's run, then every MISFIT case."""
+    g = tmp / "misfit-gpt" / "ck"
+    steps = [{"id": "misfit-gpt", "world": None,
+              "argv": GPT_ARGS + ["--steps", "1", "--checkpoint-dir", str(g)]}]
+    d = tmp / "wrong-shape" / "ck"
+    for cid, (world, flags, options, how, _) in MISFIT.items():
+        gpt = "tensor" in cid
+        resume = ["--checkpoint-dir", str(d), "--resume", "auto"] if how == "auto" else \
+            ["--resume", how.format(f=d / "ckpt-000002.h5", g=g / "ckpt-000001.h5")]
+        argv = (GPT_ARGS if gpt else COMMON[3:] + OPTS["sgd"]) + ["--steps", "4", *flags,
+                                                                   "--set",
+                                                                   f"train.model_options={options}",
+                                                                   *resume]
+        steps.append({"id": cid, "world": _where(flags[1], world), "argv": argv,
+                      "after": ["misfit-gpt" if gpt else "wrong-shape"]})
+    return steps
 
 
 def _ident(c):
@@ -124,6 +166,7 @@ def resumed(tmp_path_factory, gpt_ckpt):
                   "argv": ["--model", "gpt", "--strategy", "zero3", "--steps", "4",
                            "--optimizer", "adamw", "--lr", "0.003", "--global-batch-size", "8",
                            "--progress", "off", "--out-dir", "", "--resume", untrusted]})
+    steps += _misfit_steps(tmp)
     results = run_steps(tmp, steps, order=[None, 4, 2, 3, 1])
     out_untrusted = (untrusted, results["untrusted-zero3"])
     out = {case: (tmp / _ident(case) / "ck", results[f"{_ident(case)}-a"],
@@ -137,6 +180,8 @@ def resumed(tmp_path_factory, gpt_ckpt):
         assert results[name]["rc"] == 0, results[name]["stderr"]
         out[name] = (tmp / name / "ck", results[name]["summary"])
     out["untrusted"] = out_untrusted
+    assert results["misfit-gpt"]["rc"] == 0, results["misfit-gpt"]["stderr"]
+    out.update({cid: (tmp, results[cid]) for cid in MISFIT})
     return out
 
 
@@ -198,9 +243,17 @@ def test_auto_resume_skips_corrupt_newest(resumed, tmp_path):
     flags = [f.format(d=d) for f in SKIPS_FLAGS]
     with h5py.File(d / "ckpt-000006.h5", "r+") as f:
         f["optim/stem.weight/exp_avg"][0, 0] += 1.0
+    # An older copy of step 3 under the name of step 9: auto goes by the saved step, and
+    # among files of one step by the last written, not by the name.
+    shutil.copyfile(d / "ckpt-000003.h5", d / "ckpt-000009.h5")
+    older = os.stat(d / "ckpt-000003.h5").st_mtime - 60
+    os.utime(d / "ckpt-000009.h5", (older, older))
     proc = _run(2, "ddp", "adamw", 6, tmp_path / "b.json", flags + ["--resume", "auto"])
     assert proc.stderr.count(f"--resume auto skips checkpoint {d / 'ckpt-000006.h5'}: dataset "
                              f"'optim/stem.weight/exp_avg' fails its checksum") == 1
+    assert proc.stdout.count("--resume auto picked") == 1
+    assert (f"hpctrain: --resume auto picked {d / 'ckpt-000003.h5'}: step 3, the highest step "
+            f"in {d} that verifies; of the 2 files at that step, the last written\n") in proc.stdout
     assert f"resumed from {d / 'ckpt-000003.h5'} at step 3" in proc.stdout
     np.testing.assert_allclose(_losses(tmp_path / "b.json"), a["losses"], rtol=1e-6)
     # Named explicitly, a damaged file still stops the run.
@@ -222,23 +275,33 @@ def test_disk_full_fails_every_rank_and_leaves_nothing(tmp_path):
     assert "Traceback" not in proc.stderr and os.listdir(d) == []
 
 
+@pytest.mark.parametrize("cid", MISFIT)
+def test_other_model_refused_in_one_line(resumed, cid):
+    tmp, got = resumed[cid]
+    _, flags, _, how, words = MISFIT[cid]
+    path = tmp / ("misfit-gpt/ck/ckpt-000001.h5" if "tensor" in cid else
+                  "wrong-shape/ck/ckpt-000002.h5")
+    errors = [ln for ln in got["stderr"].splitlines() if ln.startswith("hpctrain: error:")]
+    # One line, the same on every rank (ranks that differ are named; a rank that did not
+    # raise aborts the launch), exit 1 as for every other resume error.
+    assert got["rc"] == 1 and len(errors) == 1, got["stderr"]
+    assert errors[0].startswith(f"hpctrain: error: checkpoint {path}: {words}; resume with the "
+                                f"config the checkpoint was written with"), errors[0]
+    assert "Traceback" not in got["stderr"]
+    if how == "auto":
+        assert f"--resume auto picked {path}: step 2" in got["stdout"], got["stdout"]
+
+
 def test_wrong_shape_named(resumed, tmp_path):
+    # The issue's case through the real command line: zero3, --resume FILE.
     d, _ = resumed["wrong-shape"]
-    proc = _run(2, "ddp", "sgd", 4, tmp_path / "b.json",
-                ["--checkpoint-dir", str(d), "--resume", "auto",
-                 "--set", "train.model_options={hidden=64}"], check=False)
-    assert proc.returncode != 0
-    assert "'model/" in proc.stderr and ("(64," in proc.stderr or "64)" in proc.stderr)
-
-
-def test_missing_dataset_named(resumed, tmp_path):
-    d, _ = resumed["missing"]
-    with h5py.File(d / "ckpt-000002.h5", "r+") as f:
-        del f["model/head.bias"]
-        seal(f)  # as if written for a model without it (not a damaged file)
-    proc = _run(1, "single", "adamw", 4, tmp_path / "b.json",
-                ["--checkpoint-dir", str(d), "--resume", "auto"], check=False)
-    assert proc.returncode != 0 and "'model/head.bias' is missing" in proc.stderr
+    path = d / "ckpt-000002.h5"
+    proc = _run(2, "zero3", "sgd", 4, tmp_path / "b.json",
+                ["--resume", str(path), "--set", "train.model_options={hidden=50}"], check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.count("hpctrain: error: ") == 1 and "Traceback" not in proc.stderr
+    assert f"hpctrain: error: checkpoint {path}: {SHAPE}; resume with the config" in proc.stderr
+    assert "MPI_ABORT" not in proc.stderr + proc.stdout
 
 
 def test_untrusted_resume_file_refused_under_zero3(resumed):
@@ -281,3 +344,15 @@ def test_h5ls_inspect_export_keep(resumed, tmp_path):
         f["optim/head.bias/exp_avg"][0] += 1.0
     proc = run_single(["-m", "hpctrain", "ckpt", "inspect", str(d / "ckpt-000006.h5")], check=False)
     assert proc.returncode == 1 and "optim/head.bias/exp_avg" in proc.stderr
+
+
+def test_prune_keeps_the_file_just_written(tmp_path):
+    from hpctrain.checkpoint import manager
+
+    for name in ("ckpt-000010.h5", "ckpt-000099.h5"):  # 99: an old file renamed by hand
+        (tmp_path / name).write_bytes(b"x")
+    assert manager.prune(str(tmp_path), 1, str(tmp_path / "ckpt-000010.h5")) == []
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-000010.h5", "ckpt-000099.h5"]
+    (tmp_path / "ckpt-000020.h5").write_bytes(b"x")
+    assert manager.prune(str(tmp_path), 1, str(tmp_path / "ckpt-000020.h5")) == []
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-000020.h5", "ckpt-000099.h5"]

@@ -751,7 +751,12 @@ def read_shard_state(reader, u: FlatUnit, name_of=None) -> dict:
             name = f"optim/{param}/{k}"
             dtype = getattr(torch, reader.dataset(name).attrs["torch_dtype"])
             placed = placement_of(s.param)
-            if tuple(reader.dataset(name).shape) != tuple(placed.global_shape):
+            shape = tuple(reader.dataset(name).shape)
+            if shape not in ((), tuple(placed.global_shape)):  # another model's: never copied
+                reader.fail(f"dataset {name!r} has shape {shape}, parameter {param!r} has "
+                            f"{tuple(placed.global_shape)}; resume with the same model")
+                continue
+            if shape != tuple(placed.global_shape):
                 arr = reader.read(name)  # a scalar (Adam's step), kept on the CPU
                 if arr is not None:
                     state[k] = from_numpy(np.asarray(arr), dtype).clone()
