@@ -86,7 +86,7 @@ def _abort(code: int) -> None:
     """MPI_Abort when other ranks exist, else a plain exit; never returns."""
     sys.stdout.flush()
     sys.stderr.flush()
-    for hook in BEFORE_ABORT:
+    for hook in list(BEFORE_ABORT):  # a copy: a hook may unregister itself (run_lock)
         try:
             hook()
         except Exception:  # noqa: BLE001 - the abort must happen whatever a hook does

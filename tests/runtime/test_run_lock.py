@@ -233,3 +233,15 @@ def test_two_jobs_started_at_once_on_the_same_directories(tmp_path):
     with open(run / "metrics.csv", newline="") as fh:
         assert [r["step"] for r in csv.DictReader(fh)] == [str(s) for s in range(1, 7)]
     assert not (run / LOCK_NAME).exists()
+
+
+def test_an_abort_runs_every_hook_when_the_lock_unregisters_itself(tmp_path, monkeypatch):
+    # The lock's release leaves BEFORE_ABORT while the abort walks it: the watchdog's hook
+    # after it must still run (it once was skipped, leaving the stall channel behind).
+    lock = take_dirs([("--out-dir", str(tmp_path / "run"))], Holder.here({}))
+    ran = []
+    monkeypatch.setattr(abort, "BEFORE_ABORT", [lock.release, lambda: ran.append("next")])
+    monkeypatch.setattr(abort, "_mpi", lambda: None)
+    monkeypatch.setattr(os, "_exit", lambda code: ran.append(code))
+    abort._abort(7)
+    assert ran == ["next", 7] and not (tmp_path / "run" / LOCK_NAME).exists()
