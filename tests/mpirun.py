@@ -2,10 +2,12 @@
 
 import contextlib
 import os
+import resource
 import subprocess
 import sys
+import time
 
-__all__ = ["mpi_env", "patched_env", "run_mpi", "run_single"]
+__all__ = ["mpi_env", "patched_env", "run_mpi", "run_single", "together"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,12 +33,31 @@ def mpi_env(extra=None):
     return env
 
 
+def _logged_run(cmd, ranks, **kw):
+    """subprocess.run, and with HPCTRAIN_TEST_LAUNCH_LOG=FILE one line per launch appended to
+    FILE: test id, ranks, wall and child CPU seconds (where the suite's time goes)."""
+    log = os.environ.get("HPCTRAIN_TEST_LAUNCH_LOG")
+    if not log:
+        return subprocess.run(cmd, **kw)
+    cpu0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
+    try:
+        return subprocess.run(cmd, **kw)
+    finally:
+        cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+        what = " ".join(os.path.basename(str(a)) for a in cmd if str(a).endswith(".py")
+                        or str(a) in ("-m", "hpctrain", "train", "bench"))[:60]
+        with open(log, "a") as f:
+            f.write(f"{test}\t{ranks}\t{time.monotonic() - t0:.2f}\t{cpu:.2f}\t{what}\n")
+
+
 def run_mpi(n, args, timeout=300, env=None, check=True, cwd=None):
     """Run ``python args...`` on ``n`` ranks; return the CompletedProcess (text output)."""
     cmd = ["mpirun", "-n", str(n), "--oversubscribe", "--bind-to", "none",
            sys.executable] + list(args)
-    proc = subprocess.run(cmd, env=mpi_env(env), cwd=cwd or ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    proc = _logged_run(cmd, n, env=mpi_env(env), cwd=cwd or ROOT, capture_output=True,
+                       text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"mpirun -n {n} {' '.join(args)} exited {proc.returncode}\n"
@@ -47,8 +68,8 @@ def run_mpi(n, args, timeout=300, env=None, check=True, cwd=None):
 def run_single(args, timeout=300, env=None, check=True, cwd=None):
     """Run ``python args...`` as one plain process (no launcher)."""
     e = mpi_env(env)
-    proc = subprocess.run([sys.executable] + list(args), env=e, cwd=cwd or ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = _logged_run([sys.executable] + list(args), 1, env=e, cwd=cwd or ROOT,
+                       capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"python {' '.join(args)} exited {proc.returncode}\n"
@@ -65,6 +86,17 @@ def run_worker_json(worker: str, out, ranks: int, args, timeout=300):
     run_mpi(ranks, argv, timeout=timeout) if ranks > 1 else run_single(argv, timeout=timeout)
     with open(out) as f:
         return json.load(f)
+
+
+def together(*calls):
+    """Run the zero-argument ``calls`` (independent launches) at the same time; return their
+    results in order. One plain process leaves a core of two idle: a launch beside it uses
+    that core (each launch keeps its own timeout; the first error is raised)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(c) for c in calls]
+        return [f.result() for f in futures]
 
 
 @contextlib.contextmanager

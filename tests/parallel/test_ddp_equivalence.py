@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.mpirun import run_mpi
-from tests.parallel.train_cases import run_steps
+from tests.parallel.train_cases import pool, pooled_results
 
 pytestmark = pytest.mark.mpi
 
@@ -45,12 +45,18 @@ def _ident(c):
     return f"{c[0].split(':')[-1]}-{c[1]}-accum{c[2]}"
 
 
+def _steps(tmp):
+    steps = [{"id": f"single-{_ident(c)}", "world": None, "argv": _args(*c)} for c in CASES]
+    return steps + [{"id": f"ddp{n}-{_ident(c)}", "world": n,
+                     "argv": _args(*c) + ["--strategy", "ddp"]} for n in WORLDS for c in CASES]
+
+
+pool(__name__, _steps)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    steps = [{"id": f"single-{_ident(c)}", "world": None, "argv": _args(*c)} for c in CASES]
-    steps += [{"id": f"ddp{n}-{_ident(c)}", "world": n, "argv": _args(*c) + ["--strategy", "ddp"]}
-              for n in WORLDS for c in CASES]
-    return run_steps(tmp_path_factory.mktemp("ddp"), steps)
+    return pooled_results(__name__, tmp_path_factory)
 
 
 def _summary(results, cid):

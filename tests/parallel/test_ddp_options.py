@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.mpirun import run_mpi
-from tests.parallel.train_cases import run_steps
+from tests.parallel.train_cases import pool, pooled_results
 
 pytestmark = pytest.mark.mpi
 
@@ -23,14 +23,21 @@ LOW = {"bf16": ["--precision", "bf16"], "fp16": ["--precision", "fp16"],
 CLI = "no-fusion"  # run as a real CLI launch
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def _steps(tmp):
     steps = [{"id": "ref-clip", "world": None, "argv": BASE + ["--max-grad-norm", "0.5"]},
              {"id": "ref", "world": None, "argv": BASE},
              {"id": "ac", "world": 2, "argv": BASE + AC + ["--strategy", "ddp"]}]
     steps += [{"id": name, "world": 2, "argv": BASE + extra + ["--strategy", "ddp"]}
               for name, extra in LOW.items() if name != CLI]
-    return run_steps(tmp_path_factory.mktemp("ddp_options"), steps)
+    return steps
+
+
+pool(__name__, _steps)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return pooled_results(__name__, tmp_path_factory)
 
 
 def _summary(results, cid):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.mpirun import ROOT, mpi_env
+from tests.parallel.train_cases import pool, pooled_results
 
 # gpt with 32 blocks of d_model 512: 101M parameters, 385 MB in fp32. Under zero3 at 4
 # ranks with SGD a rank peaks near 270 MB (its shards of parameters and gradients, units
@@ -64,30 +65,37 @@ def test_a_model_above_the_cap_trains_under_zero3_with_deferred_init(tmp_path):
     assert "can't allocate memory" in whole.stderr, whole.stderr[-3000:]
 
 
-def _cli(tmp_path, name, ranks, *flags):
-    summary = tmp_path / f"{name}.json"
-    cmd = [sys.executable, "-m", "hpctrain", "train", "--model", "tests.fixtures.stacked:factory",
-           "--steps", "20", "--global-batch-size", "8", "--progress", "off", "--out-dir", "",
-           "--summary", str(summary), *flags]
-    if ranks > 1:
-        cmd = ["mpirun", "-n", str(ranks), "--oversubscribe", "--bind-to", "none", *cmd]
-    proc = subprocess.run(cmd, cwd=ROOT, env=mpi_env({}), capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return proc.stdout, json.loads(summary.read_text())["losses"]
+STACKED = ["--model", "tests.fixtures.stacked:factory", "--steps", "20", "--global-batch-size",
+           "8", "--progress", "off", "--out-dir", ""]
+STACKED_RUNS = {"single": (None, []), "zero3": (2, ["--strategy", "zero3"]),
+                "fsdp": (3, ["--strategy", "fsdp"]), "pipeline": (2, ["--strategy", "pipeline"])}
+
+# the CLI runs of the LayerStack share the session's launches (tests/parallel/train_cases.py)
+pool(__name__, lambda tmp: [{"id": name, "world": ranks, "argv": STACKED + flags}
+                            for name, (ranks, flags) in STACKED_RUNS.items()], "stacked")
+
+
+@pytest.fixture(scope="module")
+def stacked(tmp_path_factory):
+    return pooled_results(__name__, tmp_path_factory)
+
+
+def _stacked_run(stacked, name):
+    r = stacked[name]
+    assert r["rc"] == 0, r["stdout"][-2000:] + r["stderr"][-3000:]
+    return r["stdout"], r["summary"]["losses"]
 
 
 @pytest.mark.mpi
-def test_a_user_layerstack_trains_deferred_under_zero3_fsdp_and_the_pipeline(tmp_path):
+def test_a_user_layerstack_trains_deferred_under_zero3_fsdp_and_the_pipeline(stacked):
     """A factory returning a LayerStack (tied embedding/head, a buffer, a frozen weight,
     uneven sizes): zero3 and fsdp build it with deferred init, the pipeline splits it at its
     layers, and all follow one process."""
-    _, want = _cli(tmp_path, "single", 1)
-    for name, ranks, flags in (("zero3", 2, ["--strategy", "zero3"]),
-                               ("fsdp", 3, ["--strategy", "fsdp"]),
-                               ("pipeline", 2, ["--strategy", "pipeline"])):
-        out, got = _cli(tmp_path, name, ranks, *flags)
+    _, want = _stacked_run(stacked, "single")
+    for name in ("zero3", "fsdp", "pipeline"):
+        out, got = _stacked_run(stacked, name)
         assert ("deferred init" in out) == (name != "pipeline"), (name, out)
+        assert stacked[name]["summary"]["world_size"] == STACKED_RUNS[name][0], name
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0,
                                    msg=name)
 

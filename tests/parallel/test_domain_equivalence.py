@@ -9,7 +9,7 @@ pretend ranks-per-node a process fixes once."""
 import numpy as np
 import pytest
 
-from tests.parallel.train_cases import run_steps
+from tests.parallel.train_cases import pool, pooled_results
 
 pytestmark = pytest.mark.mpi
 
@@ -41,9 +41,7 @@ def _composed(flavour, extra):
     return ["--mesh", "dom=2,dp=2", "--dp-flavour", flavour, *extra]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("domain")
+def _steps(tmp):
     steps = [_step(tmp, "ref", None, [])]
     for name, (world, mesh, overlap) in MESHES.items():
         if world is not None:
@@ -72,10 +70,17 @@ def results(tmp_path_factory):
         steps.append(_step(tmp, name, world, extra + resume + ["--checkpoint-dir",
                                                                 str(tmp / name)],
                            after=["save-composed"]))
-    out = run_steps(tmp, steps, order=[None, 2, 4])
-    out.update(run_steps(tmp, [_step(tmp, "fsdp-HYBRID_SHARD", 4, _composed(*HYBRID))],
-                         mpi_env={"HPCTRAIN_RANKS_PER_NODE": "2"}))
-    return out
+    # its pretend ranks-per-node a process fixes once: a launch of its own
+    return steps + [{**_step(tmp, "fsdp-HYBRID_SHARD", 4, _composed(*HYBRID)),
+                     "launch_env": {"HPCTRAIN_RANKS_PER_NODE": "2"}}]
+
+
+pool(__name__, _steps)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return pooled_results(__name__, tmp_path_factory)
 
 
 def _follows_single(results, cid, strategy=None, world=None):

@@ -2,20 +2,21 @@
 strategy x built-in models + the awkward fixture x sgd/adamw, auto-wrap by class and by size
 (with the units they form checked), clipping, grad accumulation, and bf16 params loosely.
 
-One worker process per world size runs all of its cases (startup is paid once)."""
+The worker runs all the cases of a world size in the session's launches (startup is paid
+once; tests/parallel/train_cases.py)."""
 
-import json
 import os
 
 import numpy as np
 import pytest
 
-from tests.mpirun import run_mpi, run_single
+from tests.parallel.train_cases import pool, pooled_results, script_output, script_step
 
 pytestmark = pytest.mark.mpi
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "fsdp_worker.py")
+ARGS = ["{out}", "{cases}"]  # fsdp_worker.py OUT CASES
 SPEC = {"mlp": "mlp", "gpt": "gpt", "awkward": "tests.fixtures.awkward:factory",
         "awkward_bn": "tests.fixtures.awkward:factory_batchnorm"}
 LR = {("mlp", "sgd"): 0.1, ("gpt", "sgd"): 0.3, ("awkward", "sgd"): 0.3}
@@ -96,27 +97,26 @@ def _refs():
     return out
 
 
+def _steps(tmp):
+    def cases(n):
+        return [{"id": i, "overrides": {"train": {**t, "strategy": "fsdp"}, "fsdp": f}}
+                for i, w, t, f, _ in CASES if w == n]
+
+    # 2 ranks per pretend node at 4: HYBRID_SHARD shards over 2, replicates x2 (at 2 ranks
+    # that is the one node they have anyway)
+    return [script_step(tmp, "single", None, WORKER, _refs(), ARGS),
+            script_step(tmp, "two", 2, WORKER, cases(2), ARGS),
+            script_step(tmp, "four", 4, WORKER, cases(4), ARGS,
+                        launch_env={"HPCTRAIN_RANKS_PER_NODE": "2"})]
+
+
+pool(__name__, _steps)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("fsdp")
-    got = {}
-
-    def go(n, cases):
-        cases_path, out = tmp / f"cases{n}.json", tmp / f"out{n}.json"
-        cases_path.write_text(json.dumps(cases))
-        if n == 1:
-            run_single([WORKER, str(out), str(cases_path)], timeout=600)
-        else:
-            # 2 ranks per pretend node: HYBRID_SHARD at 4 ranks shards over 2, replicates x2.
-            run_mpi(n, [WORKER, str(out), str(cases_path)], timeout=900,
-                    env={"HPCTRAIN_RANKS_PER_NODE": "2"})
-        got.update(json.loads(out.read_text()))
-
-    go(1, _refs())
-    for n in (2, 4):
-        go(n, [{"id": i, "overrides": {"train": {**t, "strategy": "fsdp"}, "fsdp": f}}
-               for i, w, t, f, _ in CASES if w == n])
-    return got
+    res = pooled_results(__name__, tmp_path_factory)
+    return {k: v for tag in ("single", "two", "four") for k, v in script_output(res, tag).items()}
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[4]], ids=lambda c: c[0])

@@ -2,12 +2,12 @@
 (sgd, adamw) reproduces single-process training: losses over 20 steps within rtol 1e-5, with
 the eager p2p issue order (CPU) and the ordered one (NCCL's rules, emulated over MPI)."""
 
-import json
+import os
 
 import numpy as np
 import pytest
 
-from tests.mpirun import run_mpi, run_single
+from tests.parallel.train_cases import pool, pooled_results, script_output, script_step
 
 pytestmark = pytest.mark.mpi
 
@@ -56,28 +56,38 @@ def _cases(mesh):
     return cases
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pp_single")
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pipeline_worker.py")
+
+
+def _steps(tmp):
+    """The one-process references, the pp=2 cases, and both 4-rank meshes in one launch
+    (each case sets its own mesh): all in the session's launches (train_cases.pool)."""
     keys = {tuple(c["key"]) for mesh in MESHES for c in _cases(mesh[1])}
-    cases = [{"name": "-".join(map(str, k)), "train": _train(*k)} for k in sorted(keys)]
-    (d / "cases.json").write_text(json.dumps(cases))
-    run_single(["-m", "tests.parallel.pipeline_worker", str(d / "cases.json"), str(d / "out.json")],
-               timeout=600)
-    return json.loads((d / "out.json").read_text())
+    refs = [{"name": "-".join(map(str, k)), "train": _train(*k)} for k in sorted(keys)]
+    return [script_step(tmp, "single", None, WORKER, refs),
+            script_step(tmp, "two", 2, WORKER, _cases("pp=2")),
+            script_step(tmp, "four", 4, WORKER, [c for r, m in MESHES if r == 4
+                                                 for c in _cases(m)])]
+
+
+pool(__name__, _steps, "runs")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    res = pooled_results(__name__, tmp_path_factory)
+    return script_output(res, "single"), {**script_output(res, "two"),
+                                          **script_output(res, "four")}
 
 
 @pytest.mark.parametrize("ranks,mesh", MESHES,
                          ids=[m.replace("=", "").replace(",", "_") for _, m in MESHES])
-def test_pipeline_matches_single(tmp_path, reference, ranks, mesh):
-    cases = _cases(mesh)
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    run_mpi(ranks, ["-m", "tests.parallel.pipeline_worker", str(tmp_path / "cases.json"),
-                    str(tmp_path / "out.json")], timeout=900)
-    got = json.loads((tmp_path / "out.json").read_text())
-    for c in cases:
+def test_pipeline_matches_single(runs, ranks, mesh):
+    reference, got = runs
+    for c in _cases(mesh):
         ref = reference["-".join(map(str, c["key"]))]
         g = got[c["name"]]
         assert g["strategy"] == "pipeline" and len(g["losses"]) == STEPS, c["name"]
+        assert g["world_size"] == ranks, c["name"]
         np.testing.assert_allclose(g["losses"], ref["losses"], rtol=1e-5, atol=0, err_msg=c["name"])
         np.testing.assert_allclose(g["param_norm"], ref["param_norm"], rtol=1e-5, err_msg=c["name"])

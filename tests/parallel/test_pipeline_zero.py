@@ -3,15 +3,16 @@ FULL_SHARD / SHARD_GRAD_OP / HYBRID_SHARD) at --mesh dp=2,pp=2: training reprodu
 (losses over 20 steps within rtol 1e-5), optimizer state (zero1) and gradients (zero2) are 1/dp
 per rank, and checkpoints load across single / pipeline ddp / pipeline zero.
 
-Four launches in all (single, 2 ranks, 4 ranks, single again), shared by the tests through one
-module fixture: MPI start-up dominates these small runs."""
+Five worker runs (single, 2 ranks, 4 ranks, then single and 3 ranks), shared by the tests
+through one module fixture and run in the session's launches (tests/parallel/train_cases.py):
+MPI start-up dominates these small runs."""
 
-import json
+import os
 
 import numpy as np
 import pytest
 
-from tests.mpirun import run_mpi, run_single
+from tests.parallel.train_cases import pool, pooled_results, script_output, script_step
 
 pytestmark = pytest.mark.mpi
 
@@ -79,23 +80,15 @@ def _single(name, ck, resume=""):
             "checkpoint": {"dir": str(ck), "every": 5, "resume": resume}}
 
 
-def _run(n, tmp, tag, cases):
-    (tmp / f"{tag}.json").write_text(json.dumps(cases))
-    args = ["-m", "tests.parallel.pipeline_zero_worker", str(tmp / f"{tag}.json"),
-            str(tmp / f"{tag}-out.json")]
-    if n == 1:
-        run_single(args, timeout=600)
-    else:
-        run_mpi(n, args, timeout=900)
-    return json.loads((tmp / f"{tag}-out.json").read_text())
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pipeline_zero_worker.py")
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ppzero")
+def _steps(tmp):
+    """Five worker runs (single, 2, 4 ranks, then single and 3 ranks reading the 4-rank
+    checkpoints), in the session's launches (tests/parallel/train_cases.py)."""
     refs = {_key(m, o, a, c): {"name": _key(m, o, a, c), "train": _train(m, o, a, c)}
             for _, m, o, _, a, c, *_ in EQUIV + TWO}
-    single = _run(1, tmp, "single", list(refs.values()) + [_single("ck-single", tmp / "s")])
+    single_cases = list(refs.values()) + [_single("ck-single", tmp / "s")]
     mem_train = _train("gpt", "adamw", 1, 0.0, steps=2)
     cases = [_pp(f"{mode}-{m}-{o}-{s}-a{a}-c{c}", _train(m, o, a, c), mode, s)
              for mode, m, o, s, a, c in EQUIV]
@@ -117,18 +110,32 @@ def runs(tmp_path_factory):
         _pp("ck-pp4<-zero3", CKPT_TRAIN, "ddp", mesh="pp=4", ck=tmp / "f",
             resume=str(tmp / "z3" / "ckpt-000005.h5")),
     ]
-    two = _run(2, tmp, "two", [_pp(f"{mode}-{m}-{o}-{s}-a{a}-c{c}-{mesh}", _train(m, o, a, c),
-                                   mode, s, mesh=mesh) for mode, m, o, s, a, c, mesh in TWO])
-    four = _run(4, tmp, "four", cases)
-    back = _run(1, tmp, "back", [
+    two_cases = [_pp(f"{mode}-{m}-{o}-{s}-a{a}-c{c}-{mesh}", _train(m, o, a, c), mode, s,
+                     mesh=mesh) for mode, m, o, s, a, c, mesh in TWO]
+    back_cases = [
         _single("ck-single<-zero2", tmp / "d", resume=str(tmp / "z2" / "ckpt-000005.h5")),
         _single("ck-single<-zero1", tmp / "e", resume=str(tmp / "z1" / "ckpt-000005.h5")),
-        _single("ck-single<-zero3", tmp / "g", resume=str(tmp / "z3" / "ckpt-000005.h5"))])
+        _single("ck-single<-zero3", tmp / "g", resume=str(tmp / "z3" / "ckpt-000005.h5"))]
     # ...and by plain zero2 on 3 ranks (no pipeline: the batch of 16 splits 6/5/5)
-    three = _run(3, tmp, "three", [
+    three_cases = [
         {**_single("ck-zero2x3<-zero3", tmp / "h", resume=str(tmp / "z3" / "ckpt-000005.h5")),
-         "train": {**CKPT_TRAIN, "strategy": "zero2"}}])
-    return {"single": single, "two": two, "four": four, "back": {**back, **three}}
+         "train": {**CKPT_TRAIN, "strategy": "zero2"}}]
+    return [script_step(tmp, "single", None, WORKER, single_cases),
+            script_step(tmp, "two", 2, WORKER, two_cases),
+            script_step(tmp, "four", 4, WORKER, cases, after=["single"]),  # its checkpoint
+            script_step(tmp, "back", None, WORKER, back_cases, after=["four"]),
+            script_step(tmp, "three", 3, WORKER, three_cases, after=["four"])]
+
+
+pool(__name__, _steps, "runs")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    res = pooled_results(__name__, tmp_path_factory)
+    out = {tag: script_output(res, tag) for tag in ("single", "two", "four", "back", "three")}
+    return {"single": out["single"], "two": out["two"], "four": out["four"],
+            "back": {**out["back"], **out["three"]}}
 
 
 @pytest.mark.parametrize("mode,model,opt,sched,accum,clip", EQUIV,

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from tests.mpirun import run_mpi, run_single
-from tests.parallel.train_cases import run_steps
+from tests.parallel.train_cases import pool, pooled_results
 
 pytestmark = pytest.mark.mpi
 
@@ -111,9 +111,7 @@ def _ref_id(key):
     return "ref-" + "-".join(map(str, key))
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("tensor_eq")
+def _steps(tmp):
     keys = {k for _, k, _ in GPT_CASES.values()} | {CK_KEY}
     steps = [{"id": _ref_id(k), "world": None,
               "argv": _gpt(*k) + COMMON + ["--steps", str(STEPS)] +
@@ -148,9 +146,15 @@ def results(tmp_path_factory):
                       "--resume", str(tmp / "gpt2-tp4" / "ckpt-000010.h5")]})
     for ranks in (2, 4, 8):
         steps.append({"id": f"state-{ranks}", "world": ranks, "script": STATE_SCRIPT})
-    res = run_steps(tmp, steps, order=[None, 2, 4, 8])
-    res["_tmp"] = tmp
-    return res
+    return steps
+
+
+pool(__name__, _steps)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return pooled_results(__name__, tmp_path_factory)
 
 
 def _ok(results, cid):

@@ -12,7 +12,7 @@ size; every launch pretends 2 ranks per node (HYBRID_SHARD at 4 ranks: 2 nodes).
 import numpy as np
 import pytest
 
-from tests.parallel.train_cases import run_steps
+from tests.parallel.train_cases import pool, pooled_results
 
 pytestmark = pytest.mark.mpi
 
@@ -68,13 +68,19 @@ def _reference(cid: str) -> str:
     return "ddp-x" + rest
 
 
+def _steps(tmp):
+    # two pretend nodes at 4 ranks (HYBRID_SHARD); at 2 ranks one node, as without it
+    return [{"id": cid, "world": world, "argv": BASE + flags,
+             "launch_env": {"HPCTRAIN_RANKS_PER_NODE": "2"} if world == 4 else {}}
+            for cid, (world, flags) in CASES.items()]
+
+
+pool(__name__, _steps)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("unused_branch")
-    steps = [{"id": cid, "world": world, "argv": BASE + flags}
-             for cid, (world, flags) in CASES.items()]
-    return run_steps(tmp, steps, order=[2, 4], mpi_env={"HPCTRAIN_RANKS_PER_NODE": "2"},
-                     timeout=600)
+    return pooled_results(__name__, tmp_path_factory)
 
 
 @pytest.mark.parametrize("cid", [c for c in CASES if not c.startswith("ddp-")])

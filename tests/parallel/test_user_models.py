@@ -17,13 +17,12 @@ references, then every 2-rank case in one mpirun (user_models_worker.py).
   instead of crashing, and "single" refuses 2 ranks.
 """
 
-import json
 import os
 
 import numpy as np
 import pytest
 
-from tests.mpirun import run_mpi, run_single
+from tests.parallel.train_cases import pool, pooled_results, script_output, script_step
 
 pytestmark = pytest.mark.mpi
 
@@ -84,17 +83,20 @@ STAGES = {"api-zero1": 1, "api-zero2": 2, "api-zero3": 3, "api-zero3-opts": 3}
 SHARDED = ("api-zero3", "api-zero3-opts", "api-fsdp")
 
 
+def _steps(tmp):
+    """The one-process references and the 2-rank cases, in the session's launches
+    (tests/parallel/train_cases.py)."""
+    return [script_step(tmp, "single", None, WORKER, REFS, ["{out}", "{cases}"]),
+            script_step(tmp, "two", 2, WORKER, TRAIN + API + REFUSE, ["{out}", "{cases}"])]
+
+
+pool(__name__, _steps)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("user_models")
-    got = {}
-    for n, cases in ((1, REFS), (2, TRAIN + API + REFUSE)):
-        cases_path, out = tmp / f"cases{n}.json", tmp / f"out{n}.json"
-        cases_path.write_text(json.dumps(cases))
-        run = run_single if n == 1 else lambda args, **kw: run_mpi(2, args, **kw)
-        run([WORKER, str(out), str(cases_path)], timeout=900)
-        got.update(json.loads(out.read_text()))
-    return got
+    res = pooled_results(__name__, tmp_path_factory)
+    return {**script_output(res, "single"), **script_output(res, "two")}
 
 
 @pytest.mark.parametrize("case", [c for c in TRAIN if c["ref"]], ids=lambda c: c["id"])

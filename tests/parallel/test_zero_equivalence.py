@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.mpirun import run_mpi
-from tests.parallel.train_cases import run_steps
+from tests.parallel.train_cases import pool, pooled_results
 
 pytestmark = pytest.mark.mpi
 
@@ -56,13 +56,19 @@ def _ref_id(model, opt, accum):
     return f"single-{model}-{opt}-{accum}"
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def _steps(tmp):
     steps = [{"id": _ref_id(*key), "world": None, "argv": _args(*key)}
              for key in dict.fromkeys(c[2:] for c in CASES)]
-    steps += [{"id": _ident(c), "world": c[0], "argv": _args(*c[2:]) + ["--strategy", c[1]]}
-              for c in CASES]
-    return run_steps(tmp_path_factory.mktemp("zero"), steps)
+    return steps + [{"id": _ident(c), "world": c[0],
+                     "argv": _args(*c[2:]) + ["--strategy", c[1]]} for c in CASES]
+
+
+pool(__name__, _steps)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return pooled_results(__name__, tmp_path_factory)
 
 
 def _check(got, ref, world, strategy):

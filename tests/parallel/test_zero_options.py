@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.mpirun import run_mpi
-from tests.parallel.train_cases import run_steps
+from tests.parallel.train_cases import pool, pooled_results
 
 pytestmark = pytest.mark.mpi
 
@@ -22,8 +22,7 @@ CLIP = ["--max-grad-norm", "0.5", "--grad-accum", "2"]
 ACCUM = ["--grad-accum", "2"]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def _steps(tmp):
     steps = [{"id": "ref-clip", "world": None, "argv": BASE + CLIP},
              {"id": "ref-accum", "world": None, "argv": BASE + ACCUM},
              {"id": "ref", "world": None, "argv": BASE}]
@@ -45,7 +44,15 @@ def results(tmp_path_factory):
     # Last in their processes: the memory worker wraps models by hand.
     steps += [{"id": f"memory-{n}", "world": n,
                "script": os.path.join(HERE, "zero_memory_worker.py")} for n in (2, 4)]
-    return run_steps(tmp_path_factory.mktemp("zero_options"), steps, order=[None, 4, 2])
+    return steps
+
+
+pool(__name__, _steps)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return pooled_results(__name__, tmp_path_factory)
 
 
 def _summary(results, cid):

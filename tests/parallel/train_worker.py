@@ -5,7 +5,8 @@
 flag parsing, config, preflight, model build, Trainer and error handling - run in this
 process; only the process start (Python, torch, MPI, Horovod) is paid once for all of them.
 "env" is set in os.environ for that case only. A case with "script" instead of "argv" runs
-that worker script (runpy, as ``__main__``) in this process; its assertions abort the job
+that worker script (runpy, as ``__main__``, with "args" as its command line) in this
+process; its assertions abort the job
 as they would in their own launch. Rank 0 writes {id: {"rc", "summary",
 "stdout", "stderr"}}: the exit code cmd_train returned, the JSON summary it wrote (None if
 it wrote none) and what rank 0 printed during the case.
@@ -73,7 +74,15 @@ def _check_process_state(world, argv: list[str]) -> None:
 
 
 def run_script(world, case: dict) -> dict:
-    runpy.run_path(case["script"], run_name="__main__")
+    saved = sys.argv
+    sys.argv = [case["script"], *case.get("args", [])]  # what its own launch would see
+    try:
+        runpy.run_path(case["script"], run_name="__main__")
+    except SystemExit as e:  # its sys.exit(0) ends the script, not this process
+        if e.code not in (None, 0):
+            raise
+    finally:
+        sys.argv = saved
     world.host.barrier()
     return {"rc": 0}
 

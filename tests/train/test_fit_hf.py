@@ -10,12 +10,13 @@ schedule included), under single and zero3; padded batches (plain HF models call
 input_ids and attention_mask, labels -100 at the padding) under zero3 and tensor parallel,
 and as one input tensor under the pipeline (its pieces weighted by their tokens), follow
 one process with train.loss_weight = tokens, and do not with the default sample weighting.
-Two launches: every single-process case, then every 2-rank case."""
+The worker runs every single-process case and every 2-rank case in the session's launches
+(tests/parallel/train_cases.py)."""
 
 import pytest
 import torch
 
-from tests.mpirun import run_worker_json
+from tests.parallel.train_cases import pool, pooled_results, script_output, script_step
 
 WORKER = "tests/train/fit_hf_worker.py"
 PLANS = {"gpt2": ["zero3", "pipeline", "ddp", "fsdp", "tensor"],
@@ -24,8 +25,28 @@ PLANS = {"gpt2": ["zero3", "pipeline", "ddp", "fsdp", "tensor"],
          "gpt2-padded": ["zero3"], "llama-padded": ["tensor"], "gpt2-padded-ids": ["pipeline"]}
 
 
-def _run(tmp_path, name, ranks, cases):
-    return run_worker_json(WORKER, tmp_path / f"{name}.json", ranks, cases)
+def _resume(tmp):
+    return {n: f"{n}:gpt2:resume:{tmp / f'ck-{n}'}" for n in ("single", "zero3")}
+
+
+def _steps(tmp):
+    """``WORKER OUT CASE...`` at 1 and 2 ranks in the session's launches
+    (tests/parallel/train_cases.py)."""
+    resume = _resume(tmp)
+    single = [f"single:{m}" for m in PLANS] + [resume["single"]]
+    two = ([f"{s}:{m}" for m, plans in PLANS.items() for s in plans]
+           + ["zero3:gpt2-padded-by-samples", resume["zero3"]])
+    return [script_step(tmp, "single", None, WORKER, [], ["{out}", *single]),
+            script_step(tmp, "two", 2, WORKER, [], ["{out}", *two])]
+
+
+pool(__name__, _steps, "runs")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    res = pooled_results(__name__, tmp_path_factory)
+    return _resume(res["_tmp"]), script_output(res, "single"), script_output(res, "two")
 
 
 def _close(got, want, what):
@@ -34,11 +55,8 @@ def _close(got, want, what):
 
 
 @pytest.mark.mpi
-def test_hf_models_through_fit_follow_one_process_and_resume_mid_epoch(tmp_path):
-    resume = {n: f"{n}:gpt2:resume:{tmp_path / f'ck-{n}'}" for n in ("single", "zero3")}
-    want = _run(tmp_path, "single", 1, [f"single:{m}" for m in PLANS] + [resume["single"]])
-    got = _run(tmp_path, "two", 2, [f"{s}:{m}" for m, plans in PLANS.items() for s in plans]
-               + ["zero3:gpt2-padded-by-samples", resume["zero3"]])
+def test_hf_models_through_fit_follow_one_process_and_resume_mid_epoch(runs):
+    resume, want, got = runs
     for which, plans in PLANS.items():
         ref = want[f"single:{which}"]
         assert len(ref["losses"]) == 16 and ref["losses"][-1] < ref["losses"][0]

@@ -18,7 +18,7 @@ import pytest
 
 from hpctrain.train.nonfinite import NONFINITE_EXIT_CODE
 from tests.fixtures.nonfinite_grad import BAD_PARAM
-from tests.parallel.train_cases import run_steps
+from tests.parallel.train_cases import pool, pooled_results
 
 pytestmark = pytest.mark.mpi
 
@@ -56,9 +56,7 @@ def _finite_params(path):
                      np.testing.assert_array_equal(np.isfinite(d[()]), True))
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("nonfinite")
+def _steps(tmp):
     steps = []
     for cid, (world, flags, env, _) in STOP.items():
         ck = ["--checkpoint-dir", str(tmp / cid), "--checkpoint-every", "1", "--keep", "2"]
@@ -86,7 +84,16 @@ def results(tmp_path_factory):
         ck = ["--checkpoint-dir", str(tmp / cid), "--checkpoint-every", "1", "--keep", "0"]
         steps.append({"id": cid, "world": world, "env": env,
                       "argv": BASE + ["--steps", "8"] + ck + flags})
-    return tmp, run_steps(tmp, steps, order=[None, 2])
+    return steps
+
+
+pool(__name__, _steps)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    res = pooled_results(__name__, tmp_path_factory)
+    return res["_tmp"], res
 
 
 @pytest.mark.parametrize("cid", list(STOP))

@@ -11,7 +11,8 @@ from hpctrain.cli import main
 from hpctrain.config import ConfigError, TrainSection
 from hpctrain.train.schedule import check_schedule, make_schedule, warmup_cosine_lr
 from hpctrain.train.strategy import check_optimizer, make_optimizer_factory
-from tests.mpirun import run_mpi, run_single
+from tests.mpirun import run_single
+from tests.parallel.train_cases import pool, pooled_results
 
 
 def sgd_factory(params, lr, **options):
@@ -175,15 +176,36 @@ TRAIN = ["-m", "hpctrain", "train", "--model", "mlp", "--steps", "20", "--progre
          "--checkpoint-every", "10"]
 
 
-def _run(tmp_path, name, ranks=1, strategy="single", resume=None):
-    out = tmp_path / name
-    args = TRAIN + ["--strategy", strategy, "--out-dir", str(out),
-                    "--checkpoint-dir", str(tmp_path / f"{name}-ck")]
-    args += ["--resume", str(resume)] if resume else []
-    (run_mpi(ranks, args) if ranks > 1 else run_single(args))
-    with open(out / "metrics.csv", newline="") as fh:
-        rows = {int(r["step"]): r for r in csv.DictReader(fh)}
-    return json.loads((out / "summary.json").read_text())["losses"], rows
+# (name, ranks, strategy, resumed from): saved at 2 ranks under zero3, resumed at 1 under single
+RUNS = [("single", None, "single", None), ("zero3", 2, "zero3", None),
+        ("single-resumed", None, "single", "single"), ("zero3-resumed", 2, "zero3", "zero3"),
+        ("zero3-to-single", None, "single", "zero3")]
+CK = "ckpt-000010.h5"
+
+
+def _steps(tmp):
+    """The runs share the session's launches (tests/parallel/train_cases.py)."""
+    return [{"id": name, "world": ranks, "after": [src] if src else [],
+             "argv": TRAIN + ["--strategy", strategy, "--out-dir", str(tmp / name),
+                              "--checkpoint-dir", str(tmp / f"{name}-ck")]
+             + (["--resume", str(tmp / f"{src}-ck" / CK)] if src else [])}
+            for name, ranks, strategy, src in RUNS]
+
+
+pool(__name__, _steps, "adagrad")
+
+
+@pytest.fixture(scope="module")
+def adagrad(tmp_path_factory):
+    return pooled_results(__name__, tmp_path_factory)
+
+
+def _run(results, name):
+    r = results[name]
+    assert r["rc"] == 0, r["stdout"][-2000:] + r["stderr"][-3000:]
+    with open(results["_tmp"] / name / "metrics.csv", newline="") as fh:
+        rows = {int(row["step"]): row for row in csv.DictReader(fh)}
+    return r["summary"]["losses"], rows
 
 
 def _same_steps(a, b, rtol, steps=range(11, 21)):
@@ -193,16 +215,14 @@ def _same_steps(a, b, rtol, steps=range(11, 21)):
         assert float(rows_b[s]["lr"]) == pytest.approx(float(rows_a[s]["lr"]), rel=1e-12), s
 
 
-def test_adagrad_warmup_cosine_zero3_equals_single_and_resumes_anywhere(tmp_path):
-    single = _run(tmp_path, "single")
-    zero3 = _run(tmp_path, "zero3", ranks=2, strategy="zero3")
+def test_adagrad_warmup_cosine_zero3_equals_single_and_resumes_anywhere(adagrad):
+    single, zero3 = _run(adagrad, "single"), _run(adagrad, "zero3")
+    assert adagrad["zero3"]["summary"]["world_size"] == 2
     _same_steps(single, zero3, 1e-5, range(1, 21))                # zero3 at 2 ranks = single
-    ck = "ckpt-000010.h5"
-    _same_steps(single, _run(tmp_path, "single-resumed", resume=tmp_path / "single-ck" / ck), 1e-6)
-    _same_steps(zero3, _run(tmp_path, "zero3-resumed", ranks=2, strategy="zero3",
-                            resume=tmp_path / "zero3-ck" / ck), 1e-6)
+    _same_steps(single, _run(adagrad, "single-resumed"), 1e-6)
+    _same_steps(zero3, _run(adagrad, "zero3-resumed"), 1e-6)
     # saved at 2 ranks under zero3, resumed at 1 rank under single
-    _same_steps(single, _run(tmp_path, "zero3-to-single", resume=tmp_path / "zero3-ck" / ck), 1e-5)
+    _same_steps(single, _run(adagrad, "zero3-to-single"), 1e-5)
     lrs = [float(single[1][s]["lr"]) for s in range(1, 21)]
     assert lrs == pytest.approx([warmup_cosine_lr(s, 0.05, 4, 20, 0.005) for s in range(20)],
                                 rel=1e-12, abs=1e-15)

@@ -8,21 +8,31 @@ pipeline pieces are partly or wholly empty (padded pieces count only their real 
 import pytest
 import torch
 
-from tests.mpirun import run_worker_json
+from tests.parallel.train_cases import pool, pooled_results, script_output, script_step
 
 WORKER = "tests/train/validate_plans_worker.py"
 FOUR = ["pipeline-zero3", "tensor-dp", "domain-dp", "domain-fit"]
 TWO = ["pipeline-interleaved", "fsdp"]
 
 
-def _run(tmp_path, name, ranks, cases):
-    return run_worker_json(WORKER, tmp_path / f"{name}.json", ranks, cases)
+def _step(tmp, tag, world, cases):
+    """``WORKER OUT CASE...`` in the session's launches (tests/parallel/train_cases.py)."""
+    return script_step(tmp, tag, world, WORKER, [], ["{out}", *cases])
+
+
+pool(__name__, lambda tmp: [_step(tmp, "single", None, [f"single:{c}" for c in FOUR + TWO]),
+                            _step(tmp, "two", 2, TWO), _step(tmp, "four", 4, FOUR)], "runs")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    res = pooled_results(__name__, tmp_path_factory)
+    return {tag: script_output(res, tag) for tag in ("single", "two", "four")}
 
 
 @pytest.mark.mpi
-def test_validation_matches_one_process_under_every_plan(tmp_path):
-    want = _run(tmp_path, "single", 1, [f"single:{c}" for c in FOUR + TWO])
-    got = {**_run(tmp_path, "four", 4, FOUR), **_run(tmp_path, "two", 2, TWO)}
+def test_validation_matches_one_process_under_every_plan(runs):
+    want, got = runs["single"], {**runs["four"], **runs["two"]}
     for case in FOUR + TWO:
         (losses, val), (want_losses, want_val) = got[case], want[f"single:{case}"]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5,
