@@ -6,23 +6,24 @@ import ctypes
 import os
 import sys
 
-__all__ = ["Writeback"]
+__all__ = ["Writeback", "libc_function"]
 
 _SYNC_FILE_RANGE_WRITE = 2  # start write-out of dirty pages in the range; do not wait
 
 
-def _libc_sync_file_range():
-    if not sys.platform.startswith("linux"):
-        return None
+def libc_function(name: str, argtypes: list):
+    """libc's ``name`` with its argument types set, or None where this libc lacks it."""
     try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.argtypes = argtypes
     return fn
 
 
-_SFR = _libc_sync_file_range()
+_SFR = (libc_function("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+                                          ctypes.c_uint])
+        if sys.platform.startswith("linux") else None)
 
 
 class Writeback:

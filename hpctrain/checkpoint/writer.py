@@ -17,7 +17,7 @@ from hpctrain.checkpoint.checksum import merge_pieces, piece_crcs
 from hpctrain.checkpoint.hyperslab import write_boxes
 from hpctrain.checkpoint.layout import (Entry, Region, block_elems, local_flat, numel,
                                         owned_region, storage_dtype)
-from hpctrain.checkpoint.writeback import Writeback
+from hpctrain.checkpoint.writeback import Writeback, libc_function
 from hpctrain.runtime.abort import _context, set_context
 from hpctrain.runtime.flight import IO_PREFIX, RECORDER, ranks_key
 
@@ -171,16 +171,8 @@ def new_file(path: str, steps: SaveSteps | None = None, **kwargs):
 _FALLOC_FL_KEEP_SIZE = 1
 
 
-def _libc_fallocate():
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).fallocate
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    return fn
-
-
-_FALLOCATE = _libc_fallocate()
+_FALLOCATE = libc_function("fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_int64,
+                                         ctypes.c_int64])
 
 
 def reserve(path: str, nbytes: int) -> None:
