@@ -10,6 +10,7 @@ from hpctrain import __version__
 from hpctrain.config import BUILTIN_MODELS, STRATEGIES, ConfigError, load_config, parse_assignment
 from hpctrain.errors import UsageError, UserInputError
 from hpctrain.train.nonfinite import NONFINITE_EXIT_CODE
+from hpctrain.bench.gpu.common import PARTS as GPU_PARTS
 
 __all__ = ["main", "build_parser"]
 
@@ -243,6 +244,17 @@ def build_parser() -> argparse.ArgumentParser:
     bpl.add_argument("--models", default="gpt,stack",
                      help="which models: gpt, stack, hf-gpt2 (a tiny Hugging Face GPT-2, "
                      "split as the pipeline splits it; needs transformers)")
+    bg = bsub.add_parser("gpu", help="the prepared GPU check: speed vs plain torch, every plan "
+                         "on the device vs single, memory, watchdog, overlap; writes "
+                         "DIR/report.json and DIR/report.md (exit 0: every part ran clean)")
+    bg.add_argument("--out", default="hpctrain-gpu-check", metavar="DIR", help="report directory")
+    bg.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu with --tiny: the same check in seconds (the suite runs it)")
+    bg.add_argument("--tiny", action="store_true", help="tiny sizes (CPU test)")
+    bg.add_argument("--parts", default=",".join(GPU_PARTS),
+                    help=f"comma-separated parts to run, in this order: {','.join(GPU_PARTS)}")
+    bg.add_argument("--scale", type=float, default=1.0,
+                    help="multiply every part's time box (e.g. 0.5 for a short rerun)")
     bh = bsub.add_parser("halo", help="halo exchange vs raw MPI Sendrecv; U-Net step time at "
                          "N ranks vs 1 on the same grid, with and without overlap")
     bh.add_argument("--size", type=int, default=512, help="exchange bench: global grid side")
@@ -578,6 +590,11 @@ def cmd_bench(args) -> int:
         from hpctrain.bench.plan import run as run_plan_bench
 
         return run_plan_bench(models=tuple(m for m in args.models.split(",") if m))
+    if args.bench_command == "gpu":
+        from hpctrain.bench.gpu.check import run as run_gpu_check
+
+        return run_gpu_check(args.out, args.device, args.tiny,
+                             tuple(p for p in args.parts.split(",") if p), args.scale)
     if args.bench_command == "tp":
         from hpctrain.bench.tensor import run as run_tp
 

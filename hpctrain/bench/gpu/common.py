@@ -169,6 +169,7 @@ def part_main(argv: list[str] | None = None) -> int:
     p.add_argument("--extra", default="{}", help="JSON options for the part")
     a = p.parse_args(argv)
     out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
     ctx = Context(out=out, device=a.device, tiny=a.tiny,
                   deadline=time.monotonic() + a.seconds, extra=json.loads(a.extra))
     rep = PartReport(a.part, out / f"{a.part}.json")
