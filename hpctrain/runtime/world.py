@@ -155,9 +155,15 @@ def device_comm_kind(env: Mapping[str, str], local_size: int, gpus: int) -> tupl
 def _gpu_id(device: torch.device, env: Mapping[str, str]) -> str:
     """This rank's physical GPU, as the ranks of a node can compare it."""
     props = torch.cuda.get_device_properties(device)
-    uuid = str(getattr(props, "uuid", "") or "")
-    if uuid:
-        return uuid
+    uuid = getattr(props, "uuid", None)  # torch's _CUuuid: .bytes, or a str
+    raw = getattr(uuid, "bytes", None)
+    text = raw.hex() if isinstance(raw, bytes) else str(uuid or "")
+    if text and " at 0x" not in text:  # never a per-process object repr
+        return text
+    if hasattr(props, "pci_bus_id"):
+        pci = (getattr(props, "pci_domain_id", 0), props.pci_bus_id,
+               getattr(props, "pci_device_id", 0))
+        return "pci:" + ":".join(map(str, pci))
     visible = [d.strip() for d in (env.get("CUDA_VISIBLE_DEVICES") or "").split(",") if d.strip()]
     index = device.index or 0
     return visible[index] if index < len(visible) else str(index)

@@ -160,3 +160,21 @@ def test_world_counts_ranks_per_physical_gpu(staged, monkeypatch, capsys):
     world._device_comm(FakeWorld([("a", "0"), ("b", "0")]), staged._inner,
                        torch.device("cpu"), {})
     assert made == [{"backend": "nccl"}]
+
+
+def test_gpu_id_names_the_physical_gpu(monkeypatch):
+    """The same GPU gives the same id in every process (uuid bytes, a uuid string, the PCI
+    address, else the CUDA_VISIBLE_DEVICES entry), never an object's address."""
+    from types import SimpleNamespace
+
+    from hpctrain.runtime import world
+
+    def gpu_id(props, index=0, env=None):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: props)
+        return world._gpu_id(torch.device("cuda", index), env or {})
+
+    assert gpu_id(SimpleNamespace(uuid=SimpleNamespace(bytes=b"\x01\xab"))) == "01ab"
+    assert gpu_id(SimpleNamespace(uuid="GPU-1234")) == "GPU-1234"
+    assert gpu_id(SimpleNamespace(uuid="<_CUuuid object at 0x7f>", pci_bus_id=3)) == "pci:0:3:0"
+    assert gpu_id(SimpleNamespace(), 1, {"CUDA_VISIBLE_DEVICES": "2, 5"}) == "5"
+    assert gpu_id(SimpleNamespace(), 1) == "1"

@@ -35,7 +35,10 @@ class StagedCommunicator(Communicator):
         if not isinstance(inner, MPICommunicator):
             raise TypeError(f"StagedCommunicator wraps an MPICommunicator, got {inner!r}")
         self._inner = inner
-        self.device = torch.device(device)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # tensors name their index
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self.rank, self.size = inner.rank, inner.size
         self._force = force_staging
         self._copies = force_staging or self.device.type != "cpu"
