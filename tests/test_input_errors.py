@@ -51,6 +51,7 @@ CASES = [  # (flags, environment, words the one line holds)
     ([], {"HPCTRAIN_FLIGHT_PURE": "maybe"},
      "HPCTRAIN_FLIGHT_PURE='maybe' is not a clear boolean; set it to one of 1, true, yes, on"),
     ([], {"HPCTRAIN_CKPT_FORCE_SERIAL": "2"}, "HPCTRAIN_CKPT_FORCE_SERIAL='2'"),
+    ([], {"HPCTRAIN_COMM": "gloo"}, "HPCTRAIN_COMM='gloo' is not one of auto, nccl, mpi"),
     ([], {"HPCTRAIN_RANKS_PER_NODE": "0"}, "HPCTRAIN_RANKS_PER_NODE='0' is not a positive"),
     (["--steps", "0"], {}, "train.steps = 0: must be >= 1"),
     (["--optimizer", "lamb"], {}, "train.optimizer = 'lamb'"),

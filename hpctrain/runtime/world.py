@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass, field
 from typing import Mapping
 
 import torch
 
-from hpctrain.errors import UsageError
+from hpctrain.errors import EnvError, UsageError
 from hpctrain.runtime.abort import arm_agreement, install_excepthook
 from hpctrain.runtime.comm import Communicator
 from hpctrain.runtime.device import bind_device, positive_int_env
 from hpctrain.runtime.launcher import LaunchInfo, detect_launcher
 
 __all__ = ["World", "init_world", "ranks_per_node_override", "check_launch_size",
-           "mpi_yield_default"]
+           "mpi_yield_default", "comm_choice", "device_comm_kind"]
 
 _WORLD: "World | None" = None
 
@@ -27,7 +28,8 @@ class World:
     launch: LaunchInfo
     mpi_comm: object            # mpi4py MPI.Comm of all ranks (for Horovod and parallel HDF5)
     host: Communicator          # MPI communicator over all ranks, host (CPU) tensors
-    comm: Communicator          # device communicator over all ranks (MPI on CPU, NCCL on GPU)
+    comm: Communicator          # device communicator over all ranks (MPI on CPU; NCCL, or MPI
+                                # staged through host memory, on GPU: device_comm_kind)
     node: Communicator          # ranks on this node (host side)
     cross: Communicator         # ranks with the same local rank on every node (host side)
     device: torch.device
@@ -115,6 +117,85 @@ def check_launch_size(launch: LaunchInfo, mpi_size: int | None = None) -> None:
                      f"{seen}: each process would train alone. Fix: {fix}")
 
 
+COMM_ENV = "HPCTRAIN_COMM"
+_COMM_CHOICES = ("auto", "nccl", "mpi")
+
+
+def comm_choice(env: Mapping[str, str]) -> str:
+    """HPCTRAIN_COMM (the GPU device communicator): auto (unset), nccl or mpi; EnvError else."""
+    raw = (env.get(COMM_ENV) or "").strip().lower()
+    if not raw:
+        return "auto"
+    if raw not in _COMM_CHOICES:
+        raise EnvError(f"{COMM_ENV}={env[COMM_ENV]!r} is not one of {', '.join(_COMM_CHOICES)}; "
+                       "fix: set it to one of those (mpi: MPI staged through host memory, for "
+                       "ranks that share a GPU) or unset it")
+    return raw
+
+
+def device_comm_kind(env: Mapping[str, str], local_size: int, gpus: int) -> tuple[str, str]:
+    """("nccl" | "mpi", why) for a GPU job's device communicator. ``local_size``: the ranks on
+    the most crowded node, ``gpus``: the distinct GPUs they use. NCCL takes one rank per GPU,
+    so auto picks MPI staged through host memory when ranks share a GPU; ``why`` then says so
+    (empty otherwise). HPCTRAIN_COMM=nccl on shared GPUs is refused (NCCL would fail later
+    with "duplicate GPU")."""
+    choice = comm_choice(env)
+    shared = local_size > gpus
+    if choice == "nccl" and shared:
+        raise EnvError(f"{COMM_ENV}=nccl but {local_size} ranks on a node share {gpus} GPU(s), "
+                       "and NCCL takes one rank per GPU; fix: set HPCTRAIN_COMM=mpi (or auto), "
+                       "or launch one rank per GPU")
+    if choice == "auto" and shared:
+        return "mpi", (f"{local_size} ranks on a node share {gpus} GPU(s) and NCCL takes one "
+                       "rank per GPU: the device communicator is MPI staged through host "
+                       f"memory (slower); {COMM_ENV}=mpi|nccl chooses")
+    return ("nccl" if choice == "auto" else choice), ""
+
+
+def _gpu_id(device: torch.device, env: Mapping[str, str]) -> str:
+    """This rank's physical GPU, as the ranks of a node can compare it."""
+    props = torch.cuda.get_device_properties(device)
+    uuid = getattr(props, "uuid", None)  # torch's _CUuuid: .bytes, or a str
+    raw = getattr(uuid, "bytes", None)
+    text = raw.hex() if isinstance(raw, bytes) else str(uuid or "")
+    if text and " at 0x" not in text:  # never a per-process object repr
+        return text
+    if hasattr(props, "pci_bus_id"):
+        pci = (getattr(props, "pci_domain_id", 0), props.pci_bus_id,
+               getattr(props, "pci_device_id", 0))
+        return "pci:" + ":".join(map(str, pci))
+    visible = [d.strip() for d in (env.get("CUDA_VISIBLE_DEVICES") or "").split(",") if d.strip()]
+    index = device.index or 0
+    return visible[index] if index < len(visible) else str(index)
+
+
+def _device_comm(world_mpi, host, dev: torch.device, env: Mapping[str, str]) -> Communicator:
+    """The device communicator of a GPU rank: NCCL, or MPI staged through host memory
+    (device_comm_kind); collective over all ranks, which all take the same kind."""
+    # Every rank needs the same verdict: count ranks per physical GPU over the whole world
+    # (pretended nodes, HPCTRAIN_RANKS_PER_NODE, may split the ranks of one GPU).
+    ids = world_mpi.allgather((socket.gethostname(), _gpu_id(dev, env)))
+    per_host: dict = {}
+    for host_name, gpu in ids:
+        per_host.setdefault(host_name, []).append(gpu)
+    local_size, gpus = max(((len(g) - len(set(g)), len(g), len(set(g)))
+                            for g in per_host.values()))[1:]
+    kind, why = device_comm_kind(env, local_size, gpus)
+    if kind == "mpi":
+        from hpctrain.runtime.comm.staged import StagedCommunicator
+
+        if why and host.rank == 0:
+            print(f"hpctrain: {why}", flush=True)
+        comm = StagedCommunicator(host, dev)
+        comm.name = "world.staged"
+        return comm
+    from hpctrain.runtime.comm.torchdist import TorchDistCommunicator
+
+    comm = TorchDistCommunicator.create(world_mpi, backend="nccl")
+    comm.name = "world.nccl"
+    return comm
+
+
 _YIELD = "OMPI_MCA_mpi_yield_when_idle"
 
 
@@ -159,6 +240,7 @@ def init_world(ranks_per_node: int = 0, device: str = "auto", env: Mapping[str, 
     from hpctrain.runtime.flight import check_env
 
     check_env(env)  # HPCTRAIN_FLIGHT_PURE, read at import: refused here when unclear
+    comm_choice(env)  # HPCTRAIN_COMM: refused before MPI when unclear
     per_node = ranks_per_node_override(env, ranks_per_node)
 
     if (value := mpi_yield_default(env)) is not None:
@@ -187,10 +269,7 @@ def init_world(ranks_per_node: int = 0, device: str = "auto", env: Mapping[str, 
 
     dev = bind_device(node.rank, node.size, env, requested=device)
     if dev.type == "cuda":
-        from hpctrain.runtime.comm.torchdist import TorchDistCommunicator
-
-        comm = TorchDistCommunicator.create(world_mpi, backend="nccl")
-        comm.name = "world.nccl"
+        comm = _device_comm(world_mpi, host, dev, env)
     else:
         comm = host
     _WORLD = World(launch=launch, mpi_comm=world_mpi, host=host, comm=comm, node=node,

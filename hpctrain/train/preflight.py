@@ -18,7 +18,7 @@ from hpctrain.runtime.env import env_flag
 from hpctrain.runtime.flight import check_env as check_flight_env
 from hpctrain.runtime.launcher import LaunchInfo
 from hpctrain.runtime.malloc import mmap_threshold_kb
-from hpctrain.runtime.world import ranks_per_node_override
+from hpctrain.runtime.world import comm_choice, ranks_per_node_override
 from hpctrain.train.schedule import check_schedule
 from hpctrain.train.strategy import check_optimizer
 
@@ -65,6 +65,7 @@ def check_environment(env: Mapping[str, str], cfg: Config, launch: LaunchInfo) -
     cpu_threads(env, 1, 1)
     env_flag("HPCTRAIN_CKPT_FORCE_SERIAL", env)
     check_flight_env(env)
+    comm_choice(env)
     select_device(launch.local_rank, env, cuda_count(), cfg.runtime.device)
 
 

@@ -1,4 +1,5 @@
-"""Communicators: one interface (``Communicator``) over MPI and torch.distributed.
+"""Communicators: one interface (``Communicator``) over MPI, torch.distributed, and MPI staged
+through host memory for device tensors (``StagedCommunicator``).
 
 Parallel strategies speak only :class:`Communicator`. The backends are imported on first
 use, so importing the interface does not initialise MPI or torch.distributed.
@@ -8,10 +9,11 @@ from .base import (OPS, SUPPORTED_DTYPES, CollectiveRequest, Communicator, Compl
                    NullCommunicator, Request, wait_all)
 
 __all__ = ["OPS", "SUPPORTED_DTYPES", "CollectiveRequest", "Communicator", "CompletedRequest",
-           "MPICommunicator", "NullCommunicator", "Request", "TorchDistCommunicator", "wait_all",
-           "world"]
+           "MPICommunicator", "NullCommunicator", "Request", "StagedCommunicator",
+           "TorchDistCommunicator", "wait_all", "world"]
 
-_LAZY = {"MPICommunicator": "mpi", "world": "mpi", "TorchDistCommunicator": "torchdist"}
+_LAZY = {"MPICommunicator": "mpi", "world": "mpi", "TorchDistCommunicator": "torchdist",
+         "StagedCommunicator": "staged"}
 
 
 def __getattr__(name):
