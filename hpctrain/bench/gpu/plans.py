@@ -32,6 +32,12 @@ UNET = ["--model", "unet", "--set", "train.model_options={size = 36}",
         "--global-batch-size", "4"]
 COMMON = ["--optimizer", "adamw", "--lr", "0.003", "--progress", "off", "--out-dir", ""]
 DDP_STANDIN = ["--strategy", "fsdp", "--sharding-strategy", "NO_SHARD"]
+# A collective pending this long ends a 2-rank launch with the watchdog's stall report
+# instead of the launch's whole time box; the cases after it run in a new launch.
+STALL_S = 30.0
+# A case running this long (any hang, the watchdog's too) ends its process with every
+# thread's stack; the cases after it run in a new launch. Cases take seconds.
+CASE_S = 45.0
 
 # (name, model, plan flags) at world size 1; "single" and "single-unet" are the references
 WORLD1 = [("single", GPT, ["--strategy", "single"]),
@@ -75,13 +81,14 @@ def _cases(ctx: Context, scratch: Path, steps: int, every: int, other: str):
                    "tf32": False, "strategy": _strategy(flags),
                    "ref": None if name.startswith("single") else "w1 single-unet no-tf32",
                    "name": f"{name} (world 1, TF32 off)"})
-    w2 = [{"id": f"w2 {name}", "argv": model + COMMON + run + flags, "world": 2,
+    stall = ["--collective-timeout-s", f"{STALL_S:g}"]
+    w2 = [{"id": f"w2 {name}", "argv": model + COMMON + run + stall + flags, "world": 2,
            "ref": "w1 single-unet" if model is UNET else "w1 single",
            "strategy": _strategy(flags), "name": f"{name} (world 2)",
            **({"requires": "horovod.torch"} if name == "ddp" else {})}
           for name, model, flags in WORLD2]
     w2.append({"id": "w2 domain dom=2 no-tf32", "world": 2, "tf32": False, "strategy": "domain",
-               "argv": UNET + COMMON + run + ["--strategy", "domain", "--mesh", "dom=2"],
+               "argv": UNET + COMMON + run + stall + ["--strategy", "domain", "--mesh", "dom=2"],
                "ref": "w1 single-unet no-tf32", "name": "domain dom=2 (world 2, TF32 off)"})
 
     # Checkpoints: zero3 at world 1 writes every `every` steps on one device; the other
@@ -180,8 +187,9 @@ def _launch(scratch: Path, tag: str, world: int, device: str, cases: list, launc
             timeout: float) -> tuple[dict, str]:
     """Run one worker process (or ``world`` ranks); its results and what went wrong."""
     cases_path, out = scratch / f"cases-{tag}.json", scratch / f"out-{tag}.json"
-    cases_path.write_text(json.dumps([{k: c[k] for k in ("id", "argv", "requires", "tf32")
-                                       if k in c} for c in cases]))
+    cases_path.write_text(json.dumps([
+        {"limit_s": CASE_S, **{k: c[k] for k in ("id", "argv", "requires", "tf32") if k in c}}
+        for c in cases]))
     root = str(Path(__file__).resolve().parents[3])
     env = dict(os.environ)
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
@@ -199,10 +207,10 @@ def _launch(scratch: Path, tag: str, world: int, device: str, cases: list, launc
         else:
             proc = launcher.run(world, cmd, timeout=timeout, env=env, cwd=root)
         if proc.returncode != 0:
-            problem = f"the launch exited {proc.returncode}: {(proc.stderr or '')[-1500:]}"
+            problem = f"the launch exited {proc.returncode}: {(proc.stderr or '')[-3000:]}"
     except subprocess.TimeoutExpired as exc:
         err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
-        problem = f"time box: the launch was killed after {timeout:.0f} s; {err[-800:]}"
+        problem = f"time box: the launch was killed after {timeout:.0f} s; {err[-3000:]}"
     results = json.loads(out.read_text()) if out.exists() else {}
     return results, problem
 
@@ -216,71 +224,89 @@ def run(ctx: Context, rep: PartReport) -> None:
     how = f"{launcher.path} ({launcher.version})" if launcher else "no MPI launcher"
     rep.note(f"plans: fp32, {steps} steps, built-in gpt (vocab 68) and unet (36x36) at their "
              f"default sizes, adamw; world 2 via {how}"
-             f"{', HPCTRAIN_COMM=mpi' if ctx.device == 'cuda' else ''}; checkpoints by zero3 "
-             f"at world 1 ({ctx.device} <-> {other})")
-    reserve = 2.0 if ctx.tiny else 5.0
+             f"{', HPCTRAIN_COMM=mpi' if ctx.device == 'cuda' else ''}, collective timeout "
+             f"{STALL_S:g} s; checkpoints by zero3 at world 1 ({ctx.device} <-> {other})")
     results: dict = {}
     for i, (world, device, cases, weight) in enumerate(launches):
-        share = weight / sum(w for *_, w in launches[i:])
-        if world > 1 and launcher is None:
-            for c in cases:
-                if "name" in c:
-                    rep.add(c["name"], "skip", detail="no MPI launcher (mpiexec/mpirun) on PATH")
-            continue
-        if ctx.left() < reserve + (3 if ctx.tiny else 15):
-            for c in cases:
-                if "name" in c:
-                    rep.add(c["name"], "skip", detail="time box")
-            continue
-        try:
-            box = (ctx.left() - reserve) * share
-            got, problem = _launch(scratch, str(i), world, device, cases, launcher, box)
-        except Exception as exc:
-            for c in cases:
-                if "name" in c:
-                    rep.error(c["name"], exc)
-            continue
-        if problem:
-            rep.note(f"launch {i} (world {world}, {device}): {problem}")
-        if "_world" in got:
-            rep.note(f"launch {i}: {got['_world']}")
-        results.update(got)
-        # the first case without a result was the one running at the end, unless the worker
-        # had not started (no "_world": still importing, starting MPI or the device)
-        running = "case" if "_world" in got else "start"
-        for c in cases:
-            if "name" not in c:  # a checkpoint writer: judged through its reader
-                if c["id"] not in got:
-                    rep.note(f"{c['id']} did not run (launch {i})")
-                    running = ""
-                continue
-            res = got.get(c["id"])
-            if res is None:
-                _missing(rep, c, i, problem, running)
-                running = ""
-                continue
+        later = sum(w for *_, w in launches[i + 1:])
+        pending, attempt = list(cases), 0
+        while pending:
+            if world > 1 and launcher is None:
+                _skip(rep, pending, "no MPI launcher (mpiexec/mpirun) on PATH")
+                break
+            reserve = 2.0 if ctx.tiny else 5.0
+            if ctx.left() < reserve + (3 if ctx.tiny else 15):
+                _skip(rep, pending, "time box")
+                break
+            tag = f"{i}" if attempt == 0 else f"{i}.{attempt}"
+            box = (ctx.left() - reserve) * weight / (weight + later)
+            try:
+                got, problem = _launch(scratch, tag, world, device, pending, launcher, box)
+            except Exception as exc:
+                for c in pending:
+                    if "name" in c:
+                        rep.error(c["name"], exc)
+                break
+            if problem:
+                rep.note(f"launch {tag} (world {world}, {device}): {problem[:300]}")
+            if "_world" in got:
+                rep.note(f"launch {tag}: {got['_world']}")
+            results.update(got)
+            pending = _judge_launch(rep, pending, got, problem, results, device, tag)
+            attempt += 1
+    _figures(rep)
+
+
+def _skip(rep: PartReport, cases: list, why: str) -> None:
+    for c in cases:
+        if "name" in c:
+            rep.add(c["name"], "skip", detail=why)
+
+
+def _judge_launch(rep: PartReport, cases: list, got: dict, problem: str, results: dict,
+                  device: str, tag: str) -> list:
+    """Add the items of one launch's cases; return the cases to run again in a new launch.
+
+    The first case without a result was running when the launch ended: killed at its time
+    box (a hang, or too slow: fail) or crashed (error); the cases after it never started
+    and go to a new launch, so one hang or crash does not hide the others. A worker that
+    never started its cases (no "_world": imports, MPI, the device) is not retried."""
+    started = "_world" in got
+    culprit, rest = None, []
+    for c in cases:
+        res = got.get(c["id"])
+        if res is not None:
+            if "name" not in c:
+                continue  # a checkpoint writer: judged through its reader
             try:
                 _judge(rep, c, res, results.get(c["ref"]) if c.get("ref") else None, device)
             except Exception as exc:
                 rep.error(c["name"], exc)
-    _figures(rep)
-
-
-def _missing(rep: PartReport, case: dict, i: int, problem: str, running: str) -> None:
-    """A case of launch ``i`` that wrote no result: the one running when its time box ended
-    hung or was too slow (fail); those after it never started (skip); a launch that crashed
-    leaves an error."""
-    if problem.startswith("time box"):
-        if running == "case":
-            rep.add(case["name"], "fail", detail=f"running when launch {i}'s {problem[:400]}")
-        elif running == "start":
-            rep.add(case["name"], "fail", detail=f"launch {i} was still starting (imports, "
-                    f"MPI, the device) when its {problem[:400]}")
+        elif culprit is None:
+            culprit = c
+            name = c.get("name", c["id"])
+            if not started:
+                how = f"launch {tag} did not start its cases: {problem or 'no result'}"
+            elif problem.startswith("time box"):
+                how = f"running when launch {tag}'s {problem}"
+            elif "Timeout (" in problem:  # the worker's per-case limit (faulthandler)
+                how = f"still running after {CASE_S:g} s (launch {tag}): {problem}"
+            else:
+                how = f"running when launch {tag} ended: {problem or 'no result written'}"
+            hung = problem.startswith("time box") or "Timeout (" in problem
+            status = "fail" if started and hung else "error"
+            if "name" in c:
+                rep.add(name, status, detail=how[:3500])
+            else:
+                rep.note(f"{name}: {how[:3500]}")
         else:
-            rep.add(case["name"], "skip", detail="time box")
-        return
-    rep.add(case["name"], "error",
-            detail=f"no result (launch {i}: {problem[:300] or 'the worker wrote none'})")
+            rest.append(c)
+    if culprit is not None and (not started or not problem):
+        for c in rest:  # nothing to gain from another launch
+            if "name" in c:
+                rep.add(c["name"], "error", detail=f"not run: launch {tag} ended before it")
+        return []
+    return rest
 
 
 def _figures(rep: PartReport) -> None:

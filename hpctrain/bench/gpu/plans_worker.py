@@ -1,13 +1,14 @@
 """Run many ``hpctrain train`` command lines in ONE process, alone or under an MPI launcher.
 
 ``python -m hpctrain.bench.gpu.plans_worker OUT.json CASES.json DEVICE SCRATCH``: CASES is a
-list of {"id", "argv", "env"?, "requires"?, "tf32"?}. Each case is
+list of {"id", "argv", "env"?, "requires"?, "tf32"?, "limit_s"?}. Each case is
 ``hpctrain.cli.main(["train", *argv, "--device", DEVICE, "--summary", ...])`` - the command
 line users run, parsed, checked and trained by the CLI's own code - so only the process start
 (Python, torch, MPI, CUDA) is paid once for all of them. The device is the process's: MPI's
 world binds it once. "requires" names a module the case needs (``horovod.torch``): when it
 does not import, the case is skipped with the reason. "tf32" false turns TF32 off in cuDNN and
-cuBLAS for that case only (torch lets cuDNN's fp32 convolutions use TF32 by default).
+cuBLAS for that case only (torch lets cuDNN's fp32 convolutions use TF32 by default). A case
+still running after "limit_s" seconds ends the process with every thread's stack on stderr.
 
 Rank 0 rewrites OUT.json after EVERY case, {id: {"rc", "summary", "stderr", "seconds"} or
 {"skip"} or {"error"}}, so a launch killed at its time box still reports the cases it ran.
@@ -16,6 +17,7 @@ Rank 0 rewrites OUT.json after EVERY case, {id: {"rc", "summary", "stderr", "sec
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import importlib
 import io
 import json
@@ -83,6 +85,10 @@ def run_case(world, case: dict, device: str, scratch: str) -> dict:
     argv = ["train", *case["argv"], "--device", device, "--summary", summary]
     err = _Tee(sys.stderr)
     t0 = time.monotonic()
+    if case.get("limit_s"):
+        # A case past its limit (a hang, even inside MPI or CUDA) prints every thread's
+        # stack and ends the process: the launcher starts the cases after it anew.
+        faulthandler.dump_traceback_later(case["limit_s"], exit=True, file=sys.__stderr__)
     try:
         with _case_env(case.get("env", {})), _tf32(case.get("tf32")), \
                 contextlib.redirect_stderr(err):
@@ -91,6 +97,8 @@ def run_case(world, case: dict, device: str, scratch: str) -> dict:
         rc = exc.code if isinstance(exc.code, int) else 2
     except Exception:
         return {"error": traceback.format_exc()[-3000:], "stderr": err.copy.getvalue()[-2000:]}
+    finally:
+        faulthandler.cancel_dump_traceback_later()
     if device.startswith("cuda"):
         import torch
 
