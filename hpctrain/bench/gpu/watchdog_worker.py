@@ -41,6 +41,32 @@ class TimedMarker:
         time.sleep(max(0.0, self.at - time.monotonic()))
 
 
+def _communicator_marker(torch):
+    """The NCCL communicator's marker factory, ``torchdist._stream_marker``, taken from its
+    source: importing torchdist starts MPI (mpi4py), which a one-process check must not
+    depend on (an MPI that cannot start as a singleton would end this process)."""
+    import ast
+    import inspect
+
+    import hpctrain.runtime.comm as pkg
+
+    path = os.path.join(os.path.dirname(inspect.getfile(pkg)), "torchdist.py")
+    try:
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        fn = next(n for n in tree.body
+                  if isinstance(n, ast.FunctionDef) and n.name == "_stream_marker")
+        scope = {"torch": torch}
+        exec(compile(ast.Module([fn], []), path, "exec"), scope)  # noqa: S102 - our source
+        return scope["_stream_marker"], "torchdist._stream_marker (from its source)"
+    except (OSError, SyntaxError, StopIteration) as e:
+        def stream_marker():
+            event = torch.cuda.Event()
+            event.record()
+            return event
+        return stream_marker, f"a CUDA event on the current stream ({type(e).__name__})"
+
+
 class _Cuda:
     """The op and its marker on the GPU: a sleep kernel, then the op on the same stream."""
 
@@ -51,16 +77,7 @@ class _Cuda:
         torch.cuda.init()
         self.tensor = torch.ones(1 << 20, device="cuda")
         self.op_kind = self._start_nccl()
-        try:  # the communicator's own marker factory (imports mpi4py: may be absent)
-            from hpctrain.runtime.comm.torchdist import _stream_marker
-            self.marker_kind = "torchdist._stream_marker"
-        except Exception:  # noqa: BLE001 - the same two lines, without the MPI import
-            def _stream_marker():
-                event = torch.cuda.Event()
-                event.record()
-                return event
-            self.marker_kind = "a CUDA event on the current stream (torchdist not importable)"
-        self.marker = _stream_marker
+        self.marker, self.marker_kind = _communicator_marker(torch)
         self.cycles_per_s = self._calibrate()
 
     def _start_nccl(self) -> str:
