@@ -60,12 +60,36 @@ elif ! ls "$wheels"/*.whl >/dev/null 2>&1; then
     echo "MPI: not working and no wheels in $wheels: the multi-rank items will fail"
 else
     echo "== MPI from $wheels: $(cd "$wheels" && ls -- *.whl | tr '\n' ' ')"
-    pipi() { "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-        --disable-pip-version-check --upgrade "$@"; }
-    others=$(ls "$wheels"/*.whl | grep -v '/mpich-')
-    [ -z "$others" ] || pipi --target "$site" $others || echo "pip --target failed"
-    if ls "$wheels"/mpich-*.whl >/dev/null 2>&1; then
-        pipi --prefix "$mpich" "$wheels"/mpich-*.whl || echo "pip --prefix (mpich) failed"
+    if "$PY" -m pip --version >/dev/null 2>&1; then
+        pipi() { "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+            --disable-pip-version-check --upgrade "$@"; }
+        others=$(ls "$wheels"/*.whl | grep -v '/mpich-')
+        [ -z "$others" ] || pipi --target "$site" $others || echo "pip --target failed"
+        if ls "$wheels"/mpich-*.whl >/dev/null 2>&1; then
+            pipi --prefix "$mpich" "$wheels"/mpich-*.whl || echo "pip --prefix (mpich) failed"
+        fi
+    else
+        echo "no pip: unzipping the wheels (packages to $site, data files to $mpich)"
+        "$PY" - "$site" "$mpich" "$wheels"/*.whl <<'EOF' || echo "unzipping failed"
+import os, sys, zipfile
+site, prefix, *wheels = sys.argv[1:]
+for wheel in wheels:
+    with zipfile.ZipFile(wheel) as z:
+        for info in z.infolist():
+            if info.is_dir():
+                continue
+            parts = info.filename.split("/")
+            if parts[0].endswith(".data") and len(parts) > 2:  # NAME.data/SCHEME/...
+                base = {"data": prefix, "scripts": os.path.join(prefix, "bin")}.get(parts[1], site)
+                dest = os.path.join(base, *parts[2:])
+            else:
+                dest = os.path.join(site, *parts)
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            with z.open(info) as src, open(dest, "wb") as out:
+                out.write(src.read())
+            if (info.external_attr >> 16) & 0o111:
+                os.chmod(dest, 0o755)
+EOF
     fi
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
     lib=$(find "$mpich" -name 'libmpi.so.12' -type f 2>/dev/null | head -1)
