@@ -32,10 +32,12 @@ echo "python: $(command -v "$PY") $("$PY" -c 'import sys; print(sys.version.spli
 nvidia-smi -L 2>&1 | head -8
 echo "cores: $(nproc --all)  root: $root"
 
-hello='from mpi4py import MPI; c = MPI.COMM_WORLD
+# torch (and CUDA) first, as in hpctrain's ranks: the MPI library must live beside them.
+hello='import torch; torch.ones(1, device="cuda" if torch.cuda.is_available() else "cpu")
+from mpi4py import MPI; c = MPI.COMM_WORLD
 s = c.allreduce(c.Get_rank() + 1)
 assert (c.Get_size(), s) == (2, 3), (c.Get_size(), s)
-c.Get_rank() or print("2-rank hello: ok")'
+c.Get_rank() or print("2-rank hello (torch imported): ok")'
 
 # mpi_ok: mpi4py loads an MPI library, mpiexec answers, and 2 ranks all-reduce through it.
 mpi_ok() {
