@@ -49,7 +49,7 @@ print("mpi4py", v, "->", MPI.Get_library_version().strip("\0 \n").splitlines()[0
     [ $rc = 0 ] || return 1
     command -v mpiexec >/dev/null || { echo "mpiexec: not on PATH"; return 1; }
     echo "mpiexec: $(command -v mpiexec): $(mpiexec --version 2>&1 | head -3 | tr -s ' \n' ' ')"
-    text=$(timeout 60 mpiexec -n 2 "$PY" -c "$hello" 2>&1)
+    text=$(timeout 30 mpiexec -n 2 "$PY" -c "$hello" 2>&1)
     rc=$?
     echo "$text" | tail -6
     [ $rc = 0 ]
