@@ -62,16 +62,16 @@ elif ! ls "$wheels"/*.whl >/dev/null 2>&1; then
     echo "MPI: not working and no wheels in $wheels: the multi-rank items will fail"
 else
     echo "== MPI from $wheels: $(cd "$wheels" && ls -- *.whl | tr '\n' ' ')"
-    if "$PY" -m pip --version >/dev/null 2>&1; then
-        pipi() { "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-            --disable-pip-version-check --upgrade "$@"; }
-        others=$(ls "$wheels"/*.whl | grep -v '/mpich-')
-        [ -z "$others" ] || pipi --target "$site" $others || echo "pip --target failed"
-        if ls "$wheels"/mpich-*.whl >/dev/null 2>&1; then
-            pipi --prefix "$mpich" "$wheels"/mpich-*.whl || echo "pip --prefix (mpich) failed"
-        fi
+    pipi() { "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --disable-pip-version-check --upgrade "$@"; }
+    others=$(ls "$wheels"/*.whl | grep -v '/mpich-')
+    mpich_whl=$(ls "$wheels"/mpich-*.whl 2>/dev/null)
+    if "$PY" -m pip --version >/dev/null 2>&1 \
+            && { [ -z "$others" ] || pipi --target "$site" $others; } \
+            && { [ -z "$mpich_whl" ] || pipi --prefix "$mpich" $mpich_whl; }; then
+        echo "installed with pip"
     else
-        echo "no pip: unzipping the wheels (packages to $site, data files to $mpich)"
+        echo "no pip, or it failed: unzipping the wheels (packages to $site, data files to $mpich)"
         "$PY" - "$site" "$mpich" "$wheels"/*.whl <<'EOF' || echo "unzipping failed"
 import os, sys, zipfile
 site, prefix, *wheels = sys.argv[1:]
