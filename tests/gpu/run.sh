@@ -14,9 +14,9 @@
 set -u
 out=${1:?usage: tests/gpu/run.sh OUTDIR [bench gpu args]}
 shift
+mkdir -p "$out" && out=$(cd "$out" && pwd) || exit 2
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root" || exit 2
-mkdir -p "$out" || exit 2
 PY=${HPCTRAIN_PYTHON:-python3}
 wheels=${HPCTRAIN_WHEELS:-$root/.whl}
 site=/tmp/hpctrain-site
