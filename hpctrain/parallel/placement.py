@@ -117,6 +117,12 @@ def placement_of(tensor: torch.Tensor) -> Placement:
     return p if p is not None else Placement(tuple(tensor.shape))
 
 
+def n_copies_of(tensor: torch.Tensor) -> int:
+    """``placement_of(tensor).n_copies`` without building a Placement (per-step paths)."""
+    p = getattr(tensor, _ATTR, None)
+    return p.n_copies if p is not None else 1
+
+
 def carry_placements(old, new) -> None:
     """Give the tensors of module ``new`` the placements of ``old``'s under the same
     state_dict keys (a layer swapped for another, e.g. SyncBatchNorm)."""
