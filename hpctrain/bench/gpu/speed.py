@@ -103,14 +103,22 @@ def _hpctrain(setup: dict, out_dir: Path) -> dict:
     w = setup["warmup"]
     if len(elapsed) != setup["steps"]:
         raise RuntimeError(f"metrics.csv has {len(elapsed)} rows, expected {setup['steps']}")
+    steps = sorted(b - a for a, b in zip(elapsed[w - 1:], elapsed[w:]))
     return {"step_s": (elapsed[-1] - elapsed[w - 1]) / (len(elapsed) - w),
-            "steps_timed": len(elapsed) - w}
+            "steps_timed": len(elapsed) - w,
+            # host hiccups show as a long tail: each step waits for its loss and norm
+            "spread": f"per step median {statistics.median(steps) * 1e3:.1f} ms, "
+                      f"p90 {steps[int(0.9 * (len(steps) - 1))] * 1e3:.1f} ms, "
+                      f"max {steps[-1] * 1e3:.1f} ms"}
 
 
-def _plain(setup: dict, device: str) -> dict:
+def _plain(setup: dict, device: str, reads: bool = False) -> dict:
     """The same model, data, optimizer and autocast in a plain loop (no loss read per step);
-    the mean step time after warm-up, from CUDA events."""
+    the mean step time after warm-up, from CUDA events. ``reads``: with the two host reads
+    hpctrain's step makes before the optimizer steps (the loss, and the global gradient
+    norm for the non-finite guard), each a device sync: what they cost alone."""
     from hpctrain.models.gpt import lm_loss
+    from hpctrain.parallel.placement import global_norm
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -136,6 +144,9 @@ def _plain(setup: dict, device: str) -> dict:
         with torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype is not None):
             loss = lm_loss(model(x), y)
         loss.backward()
+        if reads:
+            float(loss.detach())
+            global_norm([(p.grad, 1.0) for p in model.parameters()], None)
         opt.step()
         opt.zero_grad(set_to_none=True)
     if cuda:
@@ -196,12 +207,13 @@ def _profile(setup: dict, device: str) -> dict:
     _sync(device)
     cuda = device == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    t0 = time.perf_counter()
-    with profile(activities=acts) as prof:
+    with profile(activities=acts) as prof:  # its start (CUPTI's set-up) is not timed
+        _sync(device)
+        t0 = time.perf_counter()
         for _ in range(2):
             step()
         _sync(device)
-    wall = (time.perf_counter() - t0) / 2
+        wall = (time.perf_counter() - t0) / 2
     by_kind: dict = {}
     for ev in prof.key_averages():
         if cuda and (ev.key.startswith(("aten::", "autograd::", "Optimizer", "ProfilerStep",
@@ -285,7 +297,8 @@ def run(ctx, rep) -> None:
             times[side].append(r["step_s"])
             rep.add(f"speed: round {i + 1}: {side}", "info", value=round(tokens / r["step_s"]),
                     detail=f"tokens/s; {r['step_s'] * 1e3:.2f} ms/step over "
-                           f"{r['steps_timed']} steps")
+                           f"{r['steps_timed']} steps" + (f" ({r['spread']})"
+                                                         if "spread" in r else ""))
         except Exception as e:
             rep.error(f"speed: round {i + 1}: {side}", e)
             _free(device)
@@ -313,6 +326,26 @@ def run(ctx, rep) -> None:
         rep.add("speed: hpctrain overhead", "info", value=f"{100 * overhead:+.2f}%",
                 target=f"<= {100 * TARGET_OVERHEAD:.0f}% (GPU)",
                 detail="tiny CPU sizes: information only")
+
+    # What the guard's two host reads per step cost alone (a device sync each: the host
+    # cannot queue the next step while the GPU runs this one), against the overhead.
+    if per_run is not None and ctx.left() > 2 * per_run + 10:
+        try:
+            t_reads = _plain(setup, device, reads=True)["step_s"]
+            share = ((t_reads - t_plain) / (t_hpc - t_plain) if t_hpc > t_plain else None)
+            rep.add("speed: plain loop + hpctrain's two host reads per step", "info",
+                    value=round(tokens / t_reads),
+                    detail=f"tokens/s; {t_reads * 1e3:.2f} ms/step: the loss and the global "
+                           f"gradient norm read before the optimizer steps (the non-finite "
+                           f"guard) cost {100 * (t_reads / t_plain - 1):+.2f}% alone"
+                           + (f", {100 * share:.0f}% of hpctrain's overhead"
+                              if share is not None else ""))
+        except Exception as e:
+            rep.error("speed: plain loop + hpctrain's two host reads per step", e)
+            _free(device)
+    else:
+        rep.add("speed: plain loop + hpctrain's two host reads per step", "skip",
+                detail="time box")
 
     peak, peak_how = peak_flops(device)
     mfu_h, mfu_p = fpt * tps_hpc / peak, fpt * tps_plain / peak
