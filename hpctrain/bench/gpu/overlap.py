@@ -22,7 +22,7 @@ __all__ = ["run", "FLAVOURS"]
 
 FLAVOURS = ("fsdp:NO_SHARD", "zero2", "zero3", "fsdp")
 GPU_SIZE = dict(width=2048, layers=8, batch=4096, warmup=2, steps=5, reps=3)
-TINY_SIZE = dict(width=64, layers=4, batch=16, warmup=1, steps=3, reps=2)
+TINY_SIZE = dict(width=64, layers=4, batch=16, warmup=1, steps=2, reps=1)
 WHAT = {"fsdp:NO_SHARD": "all-reduce of the gradients (the engine's, as ddp)",
         "zero2": "reduce-scatter of the gradients, all-gather of the updated parameters",
         "zero3": "all-gather of each unit's parameters (forward and backward), "
