@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 
+from hpctrain.errors import UsageError
 from hpctrain.models.layers import LayerStack
 from hpctrain.parallel.base import DPGroups
 from hpctrain.parallel.deferred import Materializer, has_placeholders, materialize, placeholders
@@ -121,6 +122,21 @@ def _ranks(comm) -> str:
     return f"groups of {comm.size} rank{'s' if comm.size != 1 else ''}"
 
 
+def horovod_available() -> bool:
+    """Whether Horovod's torch module imports here (GPU images often ship without it)."""
+    global _HOROVOD
+    if _HOROVOD is None:
+        try:
+            importlib.import_module("horovod.torch")
+            _HOROVOD = True
+        except ImportError:
+            _HOROVOD = False
+    return _HOROVOD
+
+
+_HOROVOD: bool | None = None
+
+
 def _flavour(plan: ParallelPlan, model, make_optimizer, world, options: dict, groups: DPGroups,
              **layout):
     """Apply the plan's dp flavour. Under pipeline stages Horovod (which reduces over the
@@ -129,7 +145,15 @@ def _flavour(plan: ParallelPlan, model, make_optimizer, world, options: dict, gr
     from dataclasses import replace
 
     flavour = plan.flavour
-    if (plan.pipeline or plan.tensor) and flavour == "ddp":
+    no_horovod = flavour == "ddp" and not horovod_available()
+    if no_horovod:
+        if options.get("ddp") is not None and options["ddp"].fp16_compression:
+            raise UsageError("ddp.fp16_compression needs Horovod, which is not installed "
+                             "here; install it (make setup) or drop --fp16-compression")
+        _log(world, "Horovod is not installed: the ddp flavour runs on hpctrain's own "
+                    "all-reduce (the sharding engine unsharded, NO_SHARD), with the same "
+                    "results; install Horovod for its tensor fusion")
+    if ((plan.pipeline or plan.tensor) and flavour == "ddp") or no_horovod:
         from hpctrain.parallel.fsdp import FSDPOptions
 
         ddp = options.get("ddp")

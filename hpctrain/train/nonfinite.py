@@ -107,6 +107,29 @@ class NonFiniteGuard:
         if source is None:
             self.in_a_row = 0
             return True
+        return self._failed(source)
+
+    def decide(self, step: int, loss: float, norm: float, bad: list) -> bool:
+        """:meth:`check` for a step already taken on the device (train/device_step.py: the
+        optimizer stepped with found_inf, so a non-finite step changed nothing), read a step
+        later: ``bad`` lists the parameters, in model order, whose gradient was not finite.
+        One process only (no agreement needed). True: the step counted; False: skipped;
+        raises NonFiniteError to stop."""
+        self.step, self.loss, self.norm = step, loss, norm
+        if self.mode == "ignore":
+            return True
+        source = None
+        if not math.isfinite(loss):
+            source = f"the loss is {loss}"
+        elif not math.isfinite(norm):
+            source = self._first_bad([self.name_of(n) for n in bad], f"grad norm {norm}")
+        if source is None:
+            self.in_a_row = 0
+            return True
+        return self._failed(source)
+
+    def _failed(self, source: str) -> bool:
+        """Skip the step (False) or raise, as the mode and the skips in a row say."""
         if self.mode == "skip" and self.in_a_row < self.max_skips:
             self.in_a_row += 1
             self.skipped += 1
@@ -138,9 +161,14 @@ class NonFiniteGuard:
             for n in rank_names:
                 order.setdefault(n, len(order))
             found |= rank_bad
+        return self._first_bad(sorted(found, key=lambda n: order.get(n, len(order))), what)
+
+    @staticmethod
+    def _first_bad(found: list, what: str) -> str:
+        """The failure's sentence from the non-finite gradients' names, in canonical order."""
         if not found:  # e.g. a norm that overflowed float64 from finite elements
             return f"the gradients are not finite ({what})"
-        first = min(found, key=lambda n: order.get(n, len(order)))
+        first = found[0]
         more = len(found) - 1
         also = f"; {more} other parameter gradient{'s' if more != 1 else ''} too" if more else ""
         return f"gradient of {first!r} is not finite ({what}{also})"

@@ -354,6 +354,19 @@ class Trainer:
         copies = self.world.size // parts
         return self.world.host.allreduce_scalars([float(local)])[0] / copies
 
+    def _device_steps(self):
+        """DeviceSteps when this run's steps can be decided on the device (no host read per
+        step: train/device_step.py), else None; rank 0 says which, once."""
+        from hpctrain.train.device_step import DeviceSteps, unsupported
+
+        why = unsupported(self.par, self.world, self.precision, self.callbacks, self.schedule)
+        if why is not None:
+            return None
+        if self.world.is_main and self.world.device.type == "cuda":
+            print("hpctrain: steps decided on the device (the loss and gradient norm are read "
+                  "a step late; no host sync inside a step)", flush=True)
+        return DeviceSteps(self.par, self.guard, self.precision, self.cfg.train.max_grad_norm)
+
     def _train_step(self, step: int) -> float:
         """Run one optimizer step; return the global mean loss (all-reduced before the
         optimizer steps, for the non-finite guard: train/nonfinite.py)."""
@@ -394,25 +407,45 @@ class Trainer:
         # A signal means checkpoint-and-stop only when there is somewhere to checkpoint to.
         grace = sigterm_grace_s(world.launch.launcher, os.environ, ck.sigterm_grace_s)
         preempt = Preemption(ck.requeue, grace_s=grace).install() if ck.dir else None
+        device = self._device_steps()
+        lrs, vals = {}, {}  # a step's lr and validation loss, until its row is written
+
+        def record(step: int, loss: float, dt: float) -> None:
+            """A step whose loss is known: its row, its progress, its place in losses."""
+            losses.append(loss)
+            progress.update(step, loss, units_per_step / dt)
+            if main:
+                self._log_step(csv, events, step + 1, loss, lrs.pop(step), units_per_step / dt,
+                               time.perf_counter() - start, vals.pop(step, None))
+
+        def settle() -> None:
+            """Read every step still on its way (device steps) before what needs them all."""
+            if device is not None:
+                for got in device.read():
+                    record(got.step, got.loss, got.dt)
+
         try:
             for step in range(self.start_step, t.steps):
                 set_context(step=step + 1)
                 t0 = time.perf_counter()
-                lr = self.par.optimizer.param_groups[0]["lr"]  # before the schedule steps
-                loss = self._train_step(step)  # the guard stops or skips non-finite steps
-                dt = time.perf_counter() - t0
-                losses.append(loss)
-                progress.update(step, loss, units_per_step / dt)
-                elapsed_s = time.perf_counter() - start
-                val_loss = None  # measured before the step's row is written: it is a column
+                lrs[step] = lr = self.par.optimizer.param_groups[0]["lr"]  # before the schedule
+                if device is None:
+                    loss = self._train_step(step)  # the guard stops or skips non-finite steps
+                    done = [(step, loss, time.perf_counter() - t0)]
+                else:  # this step queued; the previous one read (and passed by the guard)
+                    done = [(g.step, g.loss, g.dt) for g in device.launch(
+                        step, self._micro_batches(step), self.loss_fn)]
+                    self.schedule.step(None)  # counts the step; no plateau schedule here
                 if self.validation is not None and (step + 1) % self.validation[3] == 0:
-                    val_loss = self._validate_during_fit(step + 1, events if main else None)
-                if main:
-                    self._log_step(csv, events, step + 1, loss, lr, units_per_step / dt,
-                                   elapsed_s, val_loss)
+                    # measured before the step's row is written: it is a column
+                    vals[step] = self._validate_during_fit(step + 1, events if main else None)
+                for args in done:
+                    record(*args)
                 self.sampler.step = step + 1
-                stop = self._callbacks_stop(step + 1, loss, lr, units_per_step / dt)
+                stop = self._callbacks_stop(step + 1, loss, lr,
+                                            units_per_step / done[-1][2]) if device is None else False
                 if ck.dir and ck.every and (step + 1) % ck.every == 0:
+                    settle()  # the guard passes every step before its state is saved
                     self.save(step + 1, losses)
                     saved = step + 1
                 if stop:
@@ -421,8 +454,10 @@ class Trainer:
                               flush=True)
                     break
                 if preempt is not None and step + 1 < t.steps and preempt.should_stop(world.host):
+                    settle()
                     # rank 0 requeues the SLURM job; every rank raises Preempted (exit 75)
                     self._stop_on_signal(step + 1, saved, losses, preempt)
+            settle()
             set_context(step=None)
             last = self.start_step + len(losses) - len(self.history)
             if ck.dir and saved != last:

@@ -29,11 +29,15 @@ GPT_TP = ["--model", "gpt", "--set", "train.model_options.vocab=68", "--strategy
           "--mesh", "tp=2,dp=1", "--global-batch-size", "8"]
 AT3 = {"NONFINITE_GRAD_CALL": "3"}  # one forward per step and rank: step 3
 EVERY = {"NONFINITE_GRAD_CALL": "3", "NONFINITE_GRAD_EVERY": "1"}
+# a fused optimizer: single's steps are decided on the device and read a step late
+# (train/device_step.py); the guard's outcomes must be the synchronous step's
+FUSED = ["--set", "train.optimizer_options.fused=true"]
 
 # id: (world, flags, env, the source named: "grad" (BAD_PARAM), "loss", "any" (the loss or
 # some parameter's gradient, whichever turns first: --lr 1e6))
 STOP = {
     "single": (None, GRAD, AT3, "grad"),
+    "single-device": (None, GRAD + FUSED, AT3, "grad"),
     "ddp": (2, GRAD + ["--strategy", "ddp"], AT3, "grad"),
     "zero3": (2, GRAD + ["--strategy", "zero3"], AT3, "grad"),
     "fsdp": (2, GRAD + ["--strategy", "fsdp"], AT3, "grad"),
@@ -67,7 +71,13 @@ def _steps(tmp):
                   "env": {"NONFINITE_GRAD_CALL": "100"},
                   "argv": BASE + GRAD + ["--steps", "4", "--checkpoint-dir", str(tmp / "single"),
                                          "--resume", "auto"]})
+    # no checkpoint to settle the steps at: the stop is found a step late, and still names 3
+    steps.append({"id": "device-lagged", "world": None, "env": AT3,
+                  "argv": BASE + GRAD + FUSED + ["--steps", "8", "--max-grad-norm", "1"]})
     more = {
+        "skip-device": (None, GRAD + FUSED + ["--nonfinite", "skip"], AT3),
+        "skip-device-over": (None, GRAD + FUSED + ["--nonfinite", "skip", "--set",
+                                                   "train.nonfinite_max_skips=2"], EVERY),
         "skip-zero3": (2, GRAD + ["--strategy", "zero3", "--nonfinite", "skip"], AT3),
         "skip-ddp": (2, GRAD + ["--strategy", "ddp", "--nonfinite", "skip"], AT3),
         "skip-pipeline-over": (2, GRAD + PIPE + ["--nonfinite", "skip", "--set",
@@ -123,6 +133,13 @@ def test_stop_names_the_step_and_source_and_writes_no_checkpoint(results, cid):
         _finite_params(tmp / cid / f"ckpt-{s:06d}.h5")
 
 
+def test_device_steps_stop_a_step_late_naming_the_bad_step(results):
+    r = results[1]["device-lagged"]
+    assert r["rc"] == NONFINITE_EXIT_CODE, r["stdout"] + r["stderr"]
+    assert re.search(rf"hpctrain: error: step 3: gradient of '{re.escape(BAD_PARAM)}' is not "
+                     rf"finite \(grad norm (inf|nan)", r["stderr"]), r["stderr"]
+
+
 def test_resume_picks_the_newest_good_checkpoint(results):
     tmp, got = results
     r = got["single-resume"]
@@ -132,7 +149,7 @@ def test_resume_picks_the_newest_good_checkpoint(results):
 
 def test_skip_drops_the_step_and_trains_on(results):
     tmp, got = results
-    for cid in ("skip-zero3", "skip-ddp"):
+    for cid in ("skip-zero3", "skip-ddp", "skip-device"):
         r = got[cid]
         assert r["rc"] == 0, r["stdout"] + r["stderr"]
         assert re.search(rf"step 3: gradient of '{re.escape(BAD_PARAM)}' is not finite .*; step "
@@ -145,7 +162,7 @@ def test_skip_drops_the_step_and_trains_on(results):
 
 def test_skip_stops_after_max_skips_in_a_row(results):
     tmp, got = results
-    for cid in ("skip-pipeline-over", "skip-fsdp-over"):
+    for cid in ("skip-pipeline-over", "skip-fsdp-over", "skip-device-over"):
         r = got[cid]
         assert r["rc"] == NONFINITE_EXIT_CODE, r["stdout"] + r["stderr"]
         assert r["stdout"].count("step skipped") == 2, r["stdout"]

@@ -83,7 +83,7 @@ def run_case(world, case: dict, device: str, scratch: str) -> dict:
         os.remove(summary)
     world.host.barrier()
     argv = ["train", *case["argv"], "--device", device, "--summary", summary]
-    err = _Tee(sys.stderr)
+    err, out = _Tee(sys.stderr), _Tee(sys.stdout)
     t0 = time.monotonic()
     if case.get("limit_s"):
         # A case past its limit (a hang, even inside MPI or CUDA) prints every thread's
@@ -91,7 +91,7 @@ def run_case(world, case: dict, device: str, scratch: str) -> dict:
         faulthandler.dump_traceback_later(case["limit_s"], exit=True, file=sys.__stderr__)
     try:
         with _case_env(case.get("env", {})), _tf32(case.get("tf32")), \
-                contextlib.redirect_stderr(err):
+                contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
             rc = cli.main(argv)
     except SystemExit as exc:  # argparse refuses a flag this way
         rc = exc.code if isinstance(exc.code, int) else 2
@@ -109,6 +109,7 @@ def run_case(world, case: dict, device: str, scratch: str) -> dict:
         with open(summary) as f:
             got = json.load(f)
     return {"rc": rc, "summary": got, "stderr": err.copy.getvalue()[-2000:],
+            "stdout": out.copy.getvalue()[-4000:],
             "seconds": time.monotonic() - t0}
 
 
