@@ -104,6 +104,7 @@ class DeviceSteps:
         self.max_grad_norm = max_grad_norm
         self.ignore = guard.mode == "ignore"
         self.pending: list[_Pending] = []
+        self._weight_key, self._weight_tensor = None, None
 
     def launch(self, step: int, micro_batches, loss_fn) -> list[Resolved]:
         """Queue step ``step`` on the device; return the earlier steps now read (at most one,
@@ -136,9 +137,7 @@ class DeviceSteps:
         grads = [p.grad for _, p in named]
         if grads:
             norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64))
-            weights = torch.tensor([par._norm_weight(p) for _, p in named],
-                                   dtype=torch.float64, device=norms.device)
-            norm = (norms.square() * weights).sum().sqrt()
+            norm = (norms.square() * self._weights(named, norms.device)).sum().sqrt()
         else:
             norms = torch.zeros(0, dtype=torch.float64, device=local.device)
             norm = torch.zeros((), dtype=torch.float64, device=local.device)
@@ -160,6 +159,18 @@ class DeviceSteps:
                     delattr(opt, attr)
         opt.zero_grad()
         return torch.cat([local.reshape(1), norm.reshape(1), norms])
+
+    def _weights(self, named, device) -> torch.Tensor:
+        """Each gradient's weight in the global norm (Parallelized._norm_weight), on the
+        device. Built once per set of parameters with gradients: ``torch.tensor(...,
+        device=cuda)`` copies synchronously, a sync of its own every step otherwise."""
+        key = tuple(id(p) for _, p in named)
+        if self._weight_key != key:
+            host = torch.tensor([self.par._norm_weight(p) for _, p in named],
+                                dtype=torch.float64)
+            self._weight_tensor = host.to(device)  # once: a sync here costs nothing
+            self._weight_key = key
+        return self._weight_tensor
 
     def read(self, keep: int = 0) -> list[Resolved]:
         """Read every pending step but the newest ``keep``; the guard passes each in order."""

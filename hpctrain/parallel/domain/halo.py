@@ -79,7 +79,9 @@ class DomainGrid:
                                    f"the same forward pass saw {mine} before; the model's shapes "
                                    "must depend only on its input shape")
             return glob
-        sizes = self.comm.allgather(torch.tensor(local, dtype=torch.int64)).view(self.comm.size, -1)
+        # on the device communicator (NCCL, or MPI staged from a GPU): a device tensor
+        mine = torch.tensor(local, dtype=torch.int64, device=self.comm.device)
+        sizes = self.comm.allgather(mine).view(self.comm.size, -1).cpu()
         glob = []
         for d in range(self.ndim):
             line = [int(sizes[coords_rank(self.coords[:d] + (c,) + self.coords[d + 1:], self.shape), d])
