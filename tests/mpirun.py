@@ -1,11 +1,12 @@
 """Run a command under a real ``mpirun`` (Open MPI, oversubscribed, as root if needed)."""
 
-import contextlib
 import os
 import resource
 import subprocess
 import sys
 import time
+
+from hpctrain.bench.inprocess import patched_env  # re-exported: the workers import it here
 
 __all__ = ["mpi_env", "patched_env", "run_mpi", "run_single", "together"]
 
@@ -97,19 +98,3 @@ def together(*calls):
     with ThreadPoolExecutor(len(calls)) as pool:
         futures = [pool.submit(c) for c in calls]
         return [f.result() for f in futures]
-
-
-@contextlib.contextmanager
-def patched_env(env: dict):
-    """Set ``env`` in os.environ for the block, then put back what was there (in-process
-    workers run many cases, each with its own variables)."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v

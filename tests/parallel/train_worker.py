@@ -21,7 +21,6 @@ The serial-fallback warning, given once per process, is re-armed for every case.
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import runpy
@@ -33,21 +32,7 @@ from hpctrain import cli
 from hpctrain.checkpoint import serial_fallback
 from hpctrain.config import ConfigError, load_config
 from hpctrain.runtime.world import init_world, ranks_per_node_override
-from tests.mpirun import patched_env
-
-
-class _Tee(io.TextIOBase):
-    """Write to the real stream and keep a copy."""
-
-    def __init__(self, real):
-        self.real, self.copy = real, io.StringIO()
-
-    def write(self, s):
-        self.copy.write(s)
-        return self.real.write(s)
-
-    def flush(self):
-        self.real.flush()
+from hpctrain.bench.inprocess import Tee, patched_env
 
 
 def _check_process_state(world, argv: list[str]) -> None:
@@ -97,7 +82,7 @@ def run_case(world, case: dict, scratch: str) -> dict:
         summary = os.path.join(scratch, f"{case['id']}.json")
         argv += ["--summary", summary]
     _check_process_state(world, argv)
-    out, err = _Tee(sys.stdout), _Tee(sys.stderr)
+    out, err = Tee(sys.stdout), Tee(sys.stderr)
     serial_fallback._warned = False  # its once-per-process warning: once per case here
     # A fresh warnings registry: a warning shown by an earlier case is shown again.
     with patched_env(case.get("env", {})), warnings.catch_warnings(), \

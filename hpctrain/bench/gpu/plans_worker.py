@@ -19,40 +19,13 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import importlib
-import io
 import json
 import os
 import sys
 import time
 import traceback
 
-
-class _Tee(io.TextIOBase):
-    """Write to the real stream and keep the last characters."""
-
-    def __init__(self, real):
-        self.real, self.copy = real, io.StringIO()
-
-    def write(self, s):
-        self.copy.write(s)
-        return self.real.write(s)
-
-    def flush(self):
-        self.real.flush()
-
-
-@contextlib.contextmanager
-def _case_env(env: dict):
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update({k: str(v) for k, v in env.items()})
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+from hpctrain.bench.inprocess import Tee, patched_env
 
 
 @contextlib.contextmanager
@@ -83,14 +56,14 @@ def run_case(world, case: dict, device: str, scratch: str) -> dict:
         os.remove(summary)
     world.host.barrier()
     argv = ["train", *case["argv"], "--device", device, "--summary", summary]
-    err, out = _Tee(sys.stderr), _Tee(sys.stdout)
+    err, out = Tee(sys.stderr), Tee(sys.stdout)
     t0 = time.monotonic()
     if case.get("limit_s"):
         # A case past its limit (a hang, even inside MPI or CUDA) prints every thread's
         # stack and ends the process: the launcher starts the cases after it anew.
         faulthandler.dump_traceback_later(case["limit_s"], exit=True, file=sys.__stderr__)
     try:
-        with _case_env(case.get("env", {})), _tf32(case.get("tf32")), \
+        with patched_env(case.get("env", {})), _tf32(case.get("tf32")), \
                 contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
             rc = cli.main(argv)
     except SystemExit as exc:  # argparse refuses a flag this way

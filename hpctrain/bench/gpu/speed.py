@@ -112,6 +112,16 @@ def _hpctrain(setup: dict, out_dir: Path) -> dict:
                       f"max {steps[-1] * 1e3:.1f} ms"}
 
 
+def _plain_setup(setup: dict, device: str):
+    """The plain loop's model (hpctrain's seed), data, optimizer and autocast dtype."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model, data, _ = bench_gpt()
+    model.to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=setup["fused"])
+    return model, data, opt, torch.bfloat16 if setup["precision"] == "bf16" else None
+
+
 def _plain(setup: dict, device: str, reads: bool = False) -> dict:
     """The same model, data, optimizer and autocast in a plain loop (no loss read per step);
     the mean step time after warm-up, from CUDA events. ``reads``: with the two host reads
@@ -120,12 +130,7 @@ def _plain(setup: dict, device: str, reads: bool = False) -> dict:
     from hpctrain.models.gpt import lm_loss
     from hpctrain.parallel.placement import global_norm
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model, data, _ = bench_gpt()
-    model.to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=setup["fused"])
-    dtype = torch.bfloat16 if setup["precision"] == "bf16" else None
+    model, data, opt, dtype = _plain_setup(setup, device)
     batch, steps, w = setup["batch"], setup["steps"], setup["warmup"]
     n = len(data.inputs)
     cuda = device == "cuda"
@@ -187,12 +192,7 @@ def _profile(setup: dict, device: str) -> dict:
 
     from hpctrain.models.gpt import lm_loss
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model, data, _ = bench_gpt()
-    model.to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=setup["fused"])
-    dtype = torch.bfloat16 if setup["precision"] == "bf16" else None
+    model, data, opt, dtype = _plain_setup(setup, device)
     x = data.inputs[:setup["batch"]].to(device)
     y = data.targets[:setup["batch"]].to(device)
 
