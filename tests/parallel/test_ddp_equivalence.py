@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tests.mpirun import run_mpi
+from tests.parallel.equivalence import Case, assert_case, assert_matches, summary, train_steps
 from tests.parallel.train_cases import pool, pooled_results
 
 pytestmark = pytest.mark.mpi
@@ -45,13 +46,13 @@ def _ident(c):
     return f"{c[0].split(':')[-1]}-{c[1]}-accum{c[2]}"
 
 
-def _steps(tmp):
-    steps = [{"id": f"single-{_ident(c)}", "world": None, "argv": _args(*c)} for c in CASES]
-    return steps + [{"id": f"ddp{n}-{_ident(c)}", "world": n,
-                     "argv": _args(*c) + ["--strategy", "ddp"]} for n in WORLDS for c in CASES]
+# The equivalence table: the one-process references, then each case at each world size.
+TABLE = ([Case(f"single-{_ident(c)}", None, _args(*c)) for c in CASES]
+         + [Case(f"ddp{n}-{_ident(c)}", n, _args(*c) + ["--strategy", "ddp"],
+                 ref=f"single-{_ident(c)}", strategy="ddp") for n in WORLDS for c in CASES])
+ROWS = {r.id: r for r in TABLE}
 
-
-pool(__name__, _steps)
+pool(__name__, lambda tmp: train_steps(TABLE))
 
 
 @pytest.fixture(scope="module")
@@ -59,22 +60,10 @@ def results(tmp_path_factory):
     return pooled_results(__name__, tmp_path_factory)
 
 
-def _summary(results, cid):
-    got = results[cid]
-    assert got["rc"] == 0, got["stderr"]
-    return got["summary"]
-
-
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("case", CASES, ids=_ident)
 def test_ddp_matches_single(results, case, world):
-    ref = _summary(results, f"single-{_ident(case)}")
-    got = _summary(results, f"ddp{world}-{_ident(case)}")
-    assert got["world_size"] == world and got["strategy"] == "ddp"
-    assert len(got["losses"]) == 20
-    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5, atol=0)
-    np.testing.assert_allclose(got["param_norm"], ref["param_norm"], rtol=1e-5)
-    np.testing.assert_allclose(got["buffer_norm"], ref["buffer_norm"], rtol=1e-5)
+    got, ref = assert_case(results, ROWS[f"ddp{world}-{_ident(case)}"])
     if case[2] == 3:
         assert ("train.global_batch_size = 14 is not a multiple of train.grad_accum = 3: each "
                 "step runs micro-batches of 5, 5 and 4 samples") in results[
@@ -86,8 +75,8 @@ def test_ddp_matches_single(results, case, world):
 def test_ddp_one_rank_matches_single(results, tmp_path):
     # A real `python -m hpctrain train` under mpirun (the worker stands for it elsewhere).
     case = CASES[1]
-    ref = _summary(results, f"single-{_ident(case)}")
+    ref = summary(results, f"single-{_ident(case)}")
     path = tmp_path / "ddp1.json"
     run_mpi(1, ["-m", "hpctrain", "train", *_args(*case), "--strategy", "ddp", "--summary",
                 str(path)], timeout=240)
-    np.testing.assert_allclose(json.loads(path.read_text())["losses"], ref["losses"], rtol=1e-5)
+    assert_matches(json.loads(path.read_text()), ref, keys=("losses",), name="ddp1")

@@ -6,9 +6,9 @@ The command lines run many per process (tests/parallel/train_worker.py runs each
 hpctrain's CLI code in-process): one launch per world size, plus the HYBRID_SHARD case, whose
 pretend ranks-per-node a process fixes once."""
 
-import numpy as np
 import pytest
 
+from tests.parallel.equivalence import Case, assert_case, train_steps
 from tests.parallel.train_cases import pool, pooled_results
 
 pytestmark = pytest.mark.mpi
@@ -29,27 +29,32 @@ FLAVOURS = {"zero1": ("zero1", []), "zero2": ("zero2", []), "zero3": ("zero3", [
             "fsdp": ("fsdp", []),
             "fsdp-SHARD_GRAD_OP": ("fsdp", ["--sharding-strategy", "SHARD_GRAD_OP"])}
 HYBRID = ("fsdp", ["--sharding-strategy", "HYBRID_SHARD", "--ranks-per-node", "2"])
+KEYS = ("losses", "param_norm")  # compared with the reference (the U-Net has no buffers)
 
 
-def _step(tmp, cid, world, extra, steps=20, after=()):
-    return {"id": cid, "world": world, "after": list(after),
-            "env": {"HPCTRAIN_DATA_DIR": str(tmp / "data")},
-            "argv": BASE + ["--steps", str(steps), *extra]}
+def _step(tmp, cid, world, extra, steps=20, after=(), strategy=None, **kw):
+    """A row (``ref`` "ref" unless it writes the checkpoint others resume)."""
+    return Case(cid, world, BASE + ["--steps", str(steps), *extra],
+                ref=None if cid in ("ref", "save", "save-composed") else "ref",
+                strategy=strategy, keys=KEYS, after=tuple(after),
+                env={"HPCTRAIN_DATA_DIR": str(tmp / "data")}, **kw)
 
 
 def _composed(flavour, extra):
     return ["--mesh", "dom=2,dp=2", "--dp-flavour", flavour, *extra]
 
 
-def _steps(tmp):
+def _table(tmp):
     steps = [_step(tmp, "ref", None, [])]
     for name, (world, mesh, overlap) in MESHES.items():
         if world is not None:
             steps.append(_step(tmp, name, world, ["--strategy", "domain", "--mesh", mesh]
-                               + (["--set", "domain.overlap=true"] if overlap else [])))
-    steps.append(_step(tmp, "dom-single", None, ["--strategy", "domain"]))
+                               + (["--set", "domain.overlap=true"] if overlap else []),
+                               strategy="domain"))
+    steps.append(_step(tmp, "dom-single", None, ["--strategy", "domain"], strategy="domain"))
     for name, (flavour, extra) in FLAVOURS.items():
-        steps.append(_step(tmp, name, 4, _composed(flavour, extra)))
+        steps.append(_step(tmp, name, 4, _composed(flavour, extra),
+                           strategy=f"domain+{flavour}"))
     # a domain checkpoint read at another decomposition and by one process
     ck = str(tmp / "ck")
     steps.append(_step(tmp, "save", 2, ["--strategy", "domain", "--mesh", "dom=2",
@@ -71,33 +76,27 @@ def _steps(tmp):
                                                                 str(tmp / name)],
                            after=["save-composed"]))
     # its pretend ranks-per-node a process fixes once: a launch of its own
-    return steps + [{**_step(tmp, "fsdp-HYBRID_SHARD", 4, _composed(*HYBRID)),
-                     "launch_env": {"HPCTRAIN_RANKS_PER_NODE": "2"}}]
+    return steps + [_step(tmp, "fsdp-HYBRID_SHARD", 4, _composed(*HYBRID),
+                          strategy=f"domain+{HYBRID[0]}",
+                          launch_env={"HPCTRAIN_RANKS_PER_NODE": "2"})]
 
 
-pool(__name__, _steps)
+pool(__name__, lambda tmp: train_steps(_table(tmp)))
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return pooled_results(__name__, tmp_path_factory)
+    res = pooled_results(__name__, tmp_path_factory)
+    return {**res, "_rows": {r.id: r for r in _table(res["_tmp"])}}
 
 
-def _follows_single(results, cid, strategy=None, world=None):
-    for c in ("ref", cid):
-        assert results[c]["rc"] == 0, results[c]["stderr"]
-    ref, got = results["ref"]["summary"], results[cid]["summary"]
-    if strategy is not None:
-        assert got["strategy"] == strategy and got["world_size"] == world
-    assert len(got["losses"]) == 20
-    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5, atol=0)
-    np.testing.assert_allclose(got["param_norm"], ref["param_norm"], rtol=1e-5)
+def _follows_single(results, cid):
+    assert_case(results, results["_rows"][cid])
 
 
 @pytest.mark.parametrize("name", MESHES)
 def test_domain_matches_single(results, name):
-    world = MESHES[name][0]
-    _follows_single(results, "dom-single" if world is None else name, "domain", world or 1)
+    _follows_single(results, "dom-single" if MESHES[name][0] is None else name)
 
 
 def test_domain_checkpoint_resumes_elsewhere(results):
@@ -107,8 +106,7 @@ def test_domain_checkpoint_resumes_elsewhere(results):
 
 @pytest.mark.parametrize("name", [*FLAVOURS, "fsdp-HYBRID_SHARD"])
 def test_domain_composes_with_every_dp_flavour(results, name):
-    flavour = FLAVOURS[name][0] if name in FLAVOURS else HYBRID[0]
-    _follows_single(results, name, f"domain+{flavour}", 4)
+    _follows_single(results, name)
 
 
 def test_composed_checkpoint_resumes_under_other_plans(results):

@@ -7,10 +7,11 @@ once; tests/parallel/train_cases.py)."""
 
 import os
 
-import numpy as np
 import pytest
 
-from tests.parallel.train_cases import pool, pooled_results, script_output, script_step
+from tests.parallel.equivalence import (Case, assert_case, assert_matches, summary,
+                                        worker_results, worker_steps)
+from tests.parallel.train_cases import pool, pooled_results
 
 pytestmark = pytest.mark.mpi
 
@@ -88,55 +89,40 @@ LOOSE_REF = {"fp16-autocast-HYBRID_SHARD-gpt-x4": _ref_key("gpt", "adamw", 2),
              "bf16-NO_SHARD-mlp-x2": _ref_key("mlp", "adamw", 1)}
 
 
-def _refs():
-    keys = {k for *_, k in CASES if k} | set(LOOSE_REF.values())
-    out = []
-    for k in sorted(keys):
-        _, model, opt, accum, clip = k.split("-")
-        out.append({"id": k, "overrides": {"train": _train(model, opt, int(accum), float(clip))}})
-    return out
+def _ref_row(k):
+    _, model, opt, accum, clip = k.split("-")
+    return Case(k, None, {"overrides": {"train": _train(model, opt, int(accum), float(clip))}})
 
 
-def _steps(tmp):
-    def cases(n):
-        return [{"id": i, "overrides": {"train": {**t, "strategy": "fsdp"}, "fsdp": f}}
-                for i, w, t, f, _ in CASES if w == n]
+# The equivalence table: the one-process references, then every case (2 ranks, then 4).
+TABLE = ([_ref_row(k) for k in sorted({k for *_, k in CASES if k} | set(LOOSE_REF.values()))]
+         + [Case(i, w, {"overrides": {"train": {**t, "strategy": "fsdp"}, "fsdp": f}}, ref=k,
+                 strategy="fsdp") for i, w, t, f, k in CASES])
+ROWS = {r.id: r for r in TABLE}
 
-    # 2 ranks per pretend node at 4: HYBRID_SHARD shards over 2, replicates x2 (at 2 ranks
-    # that is the one node they have anyway)
-    return [script_step(tmp, "single", None, WORKER, _refs(), ARGS),
-            script_step(tmp, "two", 2, WORKER, cases(2), ARGS),
-            script_step(tmp, "four", 4, WORKER, cases(4), ARGS,
-                        launch_env={"HPCTRAIN_RANKS_PER_NODE": "2"})]
-
-
-pool(__name__, _steps)
+# 2 ranks per pretend node at 4: HYBRID_SHARD shards over 2, replicates x2 (at 2 ranks
+# that is the one node they have anyway)
+pool(__name__, lambda tmp: worker_steps(tmp, WORKER, TABLE, ARGS,
+                                        launch_env={4: {"HPCTRAIN_RANKS_PER_NODE": "2"}}))
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    res = pooled_results(__name__, tmp_path_factory)
-    return {k: v for tag in ("single", "two", "four") for k, v in script_output(res, tag).items()}
+    return worker_results(pooled_results(__name__, tmp_path_factory), TABLE)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[4]], ids=lambda c: c[0])
 def test_fsdp_matches_single(results, case):
-    cid, world, _, _, ref_key = case
-    got, ref = results[cid], results[ref_key]
-    assert got["world_size"] == world and got["strategy"] == "fsdp"
-    assert len(got["losses"]) == 20
-    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5, atol=0)
-    np.testing.assert_allclose(got["param_norm"], ref["param_norm"], rtol=1e-5)
-    np.testing.assert_allclose(got["buffer_norm"], ref["buffer_norm"], rtol=1e-5)
+    assert_case(results, ROWS[case[0]])
 
 
 @pytest.mark.parametrize("cid", sorted(LOOSE_REF))
 def test_low_precision_tracks_fp32(results, cid):
-    got, ref = results[cid], results[LOOSE_REF[cid]]
+    got, ref = summary(results, cid), summary(results, LOOSE_REF[cid])
     assert got["losses"] != ref["losses"]  # low-precision arithmetic really happened
-    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=5e-2)
+    assert_matches(got, ref, keys=("losses",), rtol=5e-2, name=cid)
     assert got["losses"][-1] < got["losses"][0] - 0.3  # and it still learns
-    np.testing.assert_allclose(got["param_norm"], ref["param_norm"], rtol=2e-2)
+    assert_matches(got, ref, keys=("param_norm",), rtol=2e-2, name=cid)
 
 
 GPT_BLOCK_NUMEL = 2 * 48 + (48 * 144 + 144) + (48 * 48 + 48) + 2 * 48 + (48 * 192 + 192) \

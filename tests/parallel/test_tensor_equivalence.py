@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from tests.mpirun import run_mpi, run_single
+from tests.parallel.equivalence import Case, assert_case, summary, train_steps
 from tests.parallel.train_cases import pool, pooled_results
 
 pytestmark = pytest.mark.mpi
@@ -111,42 +112,53 @@ def _ref_id(key):
     return "ref-" + "-".join(map(str, key))
 
 
-def _steps(tmp):
+def _row(cid, world, argv, ref=None, steps=STEPS, strategy=None, after=()):
+    """A row checked as tensor runs are: its first ``steps`` losses (a resumed run's history
+    included) and, when it ends at the reference's last step, its parameter norm."""
+    return Case(cid, world, argv, ref=ref, strategy=strategy, steps=steps, prefix=True,
+                keys=("losses", "param_norm") if steps == STEPS else ("losses",),
+                after=tuple(after))
+
+
+def _table(tmp):
     keys = {k for _, k, _ in GPT_CASES.values()} | {CK_KEY}
-    steps = [{"id": _ref_id(k), "world": None,
-              "argv": _gpt(*k) + COMMON + ["--steps", str(STEPS)] +
-              (["--checkpoint-dir", str(tmp / "ref-ck"), "--checkpoint-every", "10",
-                "--keep", "0"] if k == CK_KEY else [])} for k in sorted(keys)]
-    steps.append({"id": "ref-awkward", "world": None,
-                  "argv": AWKWARD + COMMON + ["--steps", str(STEPS)]})
+    rows = [_row(_ref_id(k), None,
+                 _gpt(*k) + COMMON + ["--steps", str(STEPS)] +
+                 (["--checkpoint-dir", str(tmp / "ref-ck"), "--checkpoint-every", "10",
+                   "--keep", "0"] if k == CK_KEY else [])) for k in sorted(keys)]
+    rows.append(_row("ref-awkward", None, AWKWARD + COMMON + ["--steps", str(STEPS)]))
     for cid, (ranks, key, flags) in GPT_CASES.items():
-        steps.append({"id": cid, "world": ranks,
-                      "argv": _gpt(*key) + COMMON + flags + ["--steps", str(STEPS)]})
+        rows.append(_row(cid, ranks, _gpt(*key) + COMMON + flags + ["--steps", str(STEPS)],
+                         _ref_id(key), strategy="*tensor*"))
     # the user's plan, as TOML
     toml = tmp / "awkward_tp.toml"
-    toml.write_text('[tensor.plan]\ninp = "colwise"\nmid = "rowwise"\n')
     for cid, (ranks, flags) in AWKWARD_CASES.items():
-        steps.append({"id": cid, "world": ranks,
-                      "argv": AWKWARD + COMMON + flags + ["--config", str(toml),
-                                                          "--steps", str(STEPS)]})
+        rows.append(_row(cid, ranks, AWKWARD + COMMON + flags + ["--config", str(toml),
+                                                                 "--steps", str(STEPS)],
+                         "ref-awkward"))
     saved_at = {cid: n for cid, _, _, n, _, _ in CKPT}
     for cid, ranks, flags, n, src, after in CKPT:
         ck = ["--checkpoint-dir", str(tmp / cid), "--checkpoint-every", str(n), "--keep", "0"]
         if src is not None:
             ck += ["--resume", str(tmp / src / f"ckpt-{saved_at[src]:06d}.h5")]
-        steps.append({"id": cid, "world": ranks, "after": list(after),
-                      "argv": _gpt(*CK_KEY) + COMMON + flags + ck + ["--steps", str(n)]})
-    for cid, (ranks, model, flags) in [(f"ref-{m}", (None, m, [])) for m in HF_MODELS] + \
-            list(HF_CASES.items()):
+        rows.append(_row(cid, ranks, _gpt(*CK_KEY) + COMMON + flags + ck + ["--steps", str(n)],
+                         None if src is None else _ref_id(CK_KEY), n, after=after))
+    for model in HF_MODELS:
+        rows.append(_row(f"ref-{model}", None, _hf(model, tmp / f"ref-{model}")))
+    for cid, (ranks, model, flags) in HF_CASES.items():
         every = 10 if cid == "gpt2-tp4" else STEPS  # its step 10 resumes on one process
-        steps.append({"id": cid, "world": ranks, "argv": _hf(model, tmp / cid, every) + flags})
+        rows.append(_row(cid, ranks, _hf(model, tmp / cid, every) + flags, f"ref-{model}",
+                         strategy="*tensor*"))
     # the tp=4 run's step-10 checkpoint (vocabulary 97 over 4 ranks of 25 rows) on one process
-    steps.append({"id": "gpt2-tp4-single", "world": None, "after": ["gpt2-tp4"],
-                  "argv": _hf("gpt2", tmp / "gpt2-tp4-single") + [
-                      "--resume", str(tmp / "gpt2-tp4" / "ckpt-000010.h5")]})
-    for ranks in (2, 4, 8):
-        steps.append({"id": f"state-{ranks}", "world": ranks, "script": STATE_SCRIPT})
-    return steps
+    rows.append(_row("gpt2-tp4-single", None, _hf("gpt2", tmp / "gpt2-tp4-single") + [
+        "--resume", str(tmp / "gpt2-tp4" / "ckpt-000010.h5")], "ref-gpt2", after=["gpt2-tp4"]))
+    return rows
+
+
+def _steps(tmp):
+    (tmp / "awkward_tp.toml").write_text('[tensor.plan]\ninp = "colwise"\nmid = "rowwise"\n')
+    return train_steps(_table(tmp)) + [
+        {"id": f"state-{ranks}", "world": ranks, "script": STATE_SCRIPT} for ranks in (2, 4, 8)]
 
 
 pool(__name__, _steps)
@@ -154,29 +166,17 @@ pool(__name__, _steps)
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return pooled_results(__name__, tmp_path_factory)
+    res = pooled_results(__name__, tmp_path_factory)
+    return {**res, "_rows": {r.id: r for r in _table(res["_tmp"])}}
 
 
-def _ok(results, cid):
-    r = results[cid]
-    assert r["rc"] == 0, f"{cid}: rc {r['rc']}\n{r['stdout'][-2000:]}\n{r['stderr'][-4000:]}"
-    return r["summary"]
-
-
-def _same(got, ref, cid, steps=STEPS):
-    assert got["trained_steps"] > 0, cid
-    np.testing.assert_allclose(got["losses"][:steps], ref["losses"][:steps], rtol=1e-5, atol=0,
-                               err_msg=cid)
-    if steps == STEPS:
-        np.testing.assert_allclose(got["param_norm"], ref["param_norm"], rtol=1e-5, err_msg=cid)
+def _same(results, cid):
+    assert_case(results, results["_rows"][cid])
 
 
 @pytest.mark.parametrize("cid", GPT_CASES)
 def test_gpt_matches_single(results, cid):
-    ranks, key, _ = GPT_CASES[cid]
-    got, ref = _ok(results, cid), _ok(results, _ref_id(key))
-    assert got["world_size"] == ranks and "tensor" in got["strategy"], got["strategy"]
-    _same(got, ref, cid)
+    _same(results, cid)
 
 
 @pytest.mark.parametrize("ranks", [2, 4, 8])
@@ -188,8 +188,8 @@ def test_full_state_dict_and_memory_report(results, ranks):
 
 def test_dropout_masks_matter(results):
     """The dropout cases are not trivially equal: dropout changes the trajectory."""
-    a = _ok(results, _ref_id(("adamw", 0.1, False)))["losses"]
-    b = _ok(results, _ref_id(("adamw", 0.0, False)))["losses"]
+    a = summary(results, _ref_id(("adamw", 0.1, False)))["losses"]
+    b = summary(results, _ref_id(("adamw", 0.0, False)))["losses"]
     assert max(abs(x - y) for x, y in zip(a, b)) > 1e-3
 
 
@@ -202,10 +202,8 @@ def _model_state(path) -> dict:
 def test_hugging_face_models_match_single(results, cid):
     """Losses and every final parameter (the vocabulary's 97 rows whatever tp) are one
     process's; Llama's padding row stays zero (its owner keeps its gradient zero)."""
-    ranks, model, _ = HF_CASES[cid]
-    got, ref = _ok(results, cid), _ok(results, f"ref-{model}")
-    assert got["world_size"] == ranks and "tensor" in got["strategy"], got["strategy"]
-    _same(got, ref, cid)
+    model = HF_CASES[cid][1]
+    _same(results, cid)
     tmp, final = results["_tmp"], f"ckpt-{STEPS:06d}.h5"
     mine, want = _model_state(tmp / cid / final), _model_state(tmp / f"ref-{model}" / final)
     assert sorted(mine) == sorted(want)
@@ -221,22 +219,21 @@ def test_hugging_face_models_match_single(results, cid):
 
 
 def test_a_padded_vocabulary_checkpoint_resumes_on_one_process(results):
-    _same(_ok(results, "gpt2-tp4-single"), _ok(results, "ref-gpt2"), "gpt2-tp4-single")
+    _same(results, "gpt2-tp4-single")
 
 
 @pytest.mark.parametrize("cid", AWKWARD_CASES)
 def test_user_plan_matches_single(results, cid):
-    _same(_ok(results, cid), _ok(results, "ref-awkward"), cid)
+    _same(results, cid)
 
 
 @pytest.mark.parametrize("cid", [c[0] for c in CKPT if c[4] is not None])
 def test_checkpoint_reshards(results, cid):
-    steps = next(n for c, _, _, n, _, _ in CKPT if c == cid)
-    _same(_ok(results, cid), _ok(results, _ref_id(CK_KEY)), cid, steps)
+    _same(results, cid)
 
 
 def test_export_is_the_whole_model(results):
-    _ok(results, "ck-pp2tp2")
+    summary(results, "ck-pp2tp2")
     tmp = results["_tmp"]
     out = {}
     for name, path in (("tp", tmp / "ck-pp2tp2" / "ckpt-000010.h5"),

@@ -7,10 +7,10 @@ under mpirun, which must give the worker's numbers."""
 
 import json
 
-import numpy as np
 import pytest
 
 from tests.mpirun import run_mpi
+from tests.parallel.equivalence import Case, assert_case, assert_matches, train_steps
 from tests.parallel.train_cases import pool, pooled_results
 
 pytestmark = pytest.mark.mpi
@@ -56,14 +56,13 @@ def _ref_id(model, opt, accum):
     return f"single-{model}-{opt}-{accum}"
 
 
-def _steps(tmp):
-    steps = [{"id": _ref_id(*key), "world": None, "argv": _args(*key)}
-             for key in dict.fromkeys(c[2:] for c in CASES)]
-    return steps + [{"id": _ident(c), "world": c[0],
-                     "argv": _args(*c[2:]) + ["--strategy", c[1]]} for c in CASES]
+# The equivalence table: one reference per (model, optimizer, grad_accum), then the cases.
+TABLE = ([Case(_ref_id(*key), None, _args(*key)) for key in dict.fromkeys(c[2:] for c in CASES)]
+         + [Case(_ident(c), c[0], _args(*c[2:]) + ["--strategy", c[1]], ref=_ref_id(*c[2:]),
+                 strategy=c[1]) for c in CASES])
+ROWS = {r.id: r for r in TABLE}
 
-
-pool(__name__, _steps)
+pool(__name__, lambda tmp: train_steps(TABLE))
 
 
 @pytest.fixture(scope="module")
@@ -71,20 +70,9 @@ def results(tmp_path_factory):
     return pooled_results(__name__, tmp_path_factory)
 
 
-def _check(got, ref, world, strategy):
-    assert got["world_size"] == world and got["strategy"] == strategy
-    assert len(got["losses"]) == 20
-    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5, atol=0)
-    np.testing.assert_allclose(got["param_norm"], ref["param_norm"], rtol=1e-5)
-    np.testing.assert_allclose(got["buffer_norm"], ref["buffer_norm"], rtol=1e-5)
-
-
 @pytest.mark.parametrize("case", CASES, ids=_ident)
 def test_zero_matches_single(results, case):
-    world, strategy, model, opt, accum = case
-    got, ref = results[_ident(case)], results[_ref_id(model, opt, accum)]
-    assert got["rc"] == 0 and ref["rc"] == 0, got["stderr"] + ref["stderr"]
-    _check(got["summary"], ref["summary"], world, strategy)
+    assert_case(results, ROWS[_ident(case)])
 
 
 def test_real_cli_launch_matches_single_and_the_worker(results, tmp_path):
@@ -94,6 +82,6 @@ def test_real_cli_launch_matches_single_and_the_worker(results, tmp_path):
     run_mpi(2, ["-m", "hpctrain", "train", *_args(*case[2:]), "--strategy", case[1],
                 "--summary", str(path)], timeout=240)
     got = json.loads(path.read_text())
-    _check(got, results[_ref_id(*case[2:])]["summary"], 2, "zero3")
+    assert_matches(got, results[_ref_id(*case[2:])]["summary"], world=2, strategy="zero3")
     worker = results[_ident(case)]["summary"]
     assert got["losses"] == worker["losses"] and got["param_norm"] == worker["param_norm"]
