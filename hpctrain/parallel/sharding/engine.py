@@ -8,7 +8,7 @@ Shared by zero (stages 1-3) and fsdp; a strategy picks the knobs (``ShardPlan``)
   unit's reduce-scatter STARTS (non-blocking, piece by piece: ``_start``) as soon as its
   gradients are all accumulated in the step's last backward, overlapping the rest of that
   backward, the full gradients are freed, and the step's synchronize (``_sync_grads``)
-  completes it; see "Overlapped reduction" below.
+  completes it; see ``grad_sync``.
 - ``on_demand`` units (zero3, FULL_SHARD, SHARD_GRAD_OP) exist in full only while a
   ``GatherSchedule`` needs them; the others keep their full buffer and are refreshed from
   the shards after each step.
