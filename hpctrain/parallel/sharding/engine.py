@@ -18,6 +18,7 @@ Shared by zero (stages 1-3) and fsdp; a strategy picks the knobs (``ShardPlan``)
   transforms: the groups whose ranks hold partial gradients of the same parameters (the
   domain tiles; the pipeline stages holding a tied weight, summed only at the step), how
   much each shard counts in the global norms, and the N-D slice of the global tensor each
+  parameter is in the checkpoint.
 
 Each part has its own module; ``ShardedModel`` holds the state they share and runs the step:
 
