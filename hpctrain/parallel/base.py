@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from hpctrain.data.structure import call_model, rows
+from hpctrain.parallel.storage import nbytes
 from hpctrain.runtime.abort import set_context
 
 __all__ = ["OptimizerFactory", "Parallelized", "DPGroups"]
@@ -360,8 +361,6 @@ class Parallelized:
     def memory_report(self) -> dict:
         """Bytes this rank holds for parameters, gradients (now) and optimizer state (the
         replicated flavours hold everything whole); local."""
-        from hpctrain.parallel.sharding.engine import nbytes
-
         return {"strategy": self.name, "params": nbytes(list(self.model.parameters())),
                 "grads": nbytes([p.grad for p in self.model.parameters() if p.grad is not None]),
                 "optimizer": nbytes([v for st in self.optimizer.state.values()
