@@ -6,10 +6,9 @@ import argparse
 import os
 import sys
 
-from hpctrain import __version__
+from hpctrain.version import __version__
 from hpctrain.config import BUILTIN_MODELS, STRATEGIES, ConfigError, load_config, parse_assignment
-from hpctrain.errors import UsageError, UserInputError
-from hpctrain.train.nonfinite import NONFINITE_EXIT_CODE
+from hpctrain.errors import NONFINITE_EXIT_CODE, UsageError, UserInputError
 from hpctrain.bench.gpu.common import PARTS as GPU_PARTS
 
 __all__ = ["main", "build_parser"]
