@@ -1,4 +1,5 @@
-"""Command line: ``python -m hpctrain {train,doctor,ckpt,trace,bench}`` (also the ``hpctrain`` script)."""
+"""Command line: ``python -m hpctrain {train,doctor,ckpt,trace,bench,jobgen,report,plan}``
+(also the ``hpctrain`` script); ``build_parser`` declares each command."""
 
 from __future__ import annotations
 
@@ -520,7 +521,8 @@ def cmd_train(args) -> int:
         trainer.setup()
     except UserInputError as exc:
         # What the plan cannot run, found building it (the model's layers, its inputs): the
-        # same on every rank, so one line and exit 2 as before MPI; some ranks only: abort.
+        # same on every rank, so one line and exit 2, like an error found before MPI; some
+        # ranks only: abort.
         return fail_together(str(exc), code=2)
     except CheckpointError as exc:  # the resume file
         return fail_together(str(exc))
