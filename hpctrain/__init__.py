@@ -14,7 +14,7 @@ or the whole loop: ``hpctrain.Trainer(strategy="zero3", steps=100).fit(model, lo
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from hpctrain.version import __version__
 
 __all__ = ["__version__", "init", "parallelize", "load_config", "Config", "Trainer", "Callback"]
 
@@ -32,7 +32,7 @@ def parallelize(model, optimizer, strategy: str = "ddp", world=None, options=Non
 
     ``optimizer`` is either a factory ``params -> Optimizer`` (preferred: sharded strategies
     build it over their shard) or an optimizer instance, rebuilt with its class and defaults.
-    ``strategy`` is one of ``parallel.STRATEGY_MODULES``: "zero1"/"zero2"/"zero3" run that
+    ``strategy`` is one of ``parallel.STRATEGIES``: "zero1"/"zero2"/"zero3" run that
     stage (``options`` naming another stage is a ValueError); "pipeline" takes an
     nn.Sequential (one layer per child) or a LayerStack; "single" needs a one-rank world.
     ``mesh`` and ``dp_flavour`` compose, as on the command line: ``strategy="zero3",

@@ -1,4 +1,5 @@
-"""Command line: ``python -m hpctrain {train,doctor,ckpt,trace,bench}`` (also the ``hpctrain`` script)."""
+"""Command line: ``python -m hpctrain {train,doctor,ckpt,trace,bench,jobgen,report,plan}``
+(also the ``hpctrain`` script); ``build_parser`` declares each command."""
 
 from __future__ import annotations
 
@@ -6,10 +7,9 @@ import argparse
 import os
 import sys
 
-from hpctrain import __version__
+from hpctrain.version import __version__
 from hpctrain.config import BUILTIN_MODELS, STRATEGIES, ConfigError, load_config, parse_assignment
-from hpctrain.errors import UsageError, UserInputError
-from hpctrain.train.nonfinite import NONFINITE_EXIT_CODE
+from hpctrain.errors import NONFINITE_EXIT_CODE, UsageError, UserInputError
 from hpctrain.bench.gpu.common import PARTS as GPU_PARTS
 
 __all__ = ["main", "build_parser"]
@@ -521,7 +521,8 @@ def cmd_train(args) -> int:
         trainer.setup()
     except UserInputError as exc:
         # What the plan cannot run, found building it (the model's layers, its inputs): the
-        # same on every rank, so one line and exit 2 as before MPI; some ranks only: abort.
+        # same on every rank, so one line and exit 2, like an error found before MPI; some
+        # ranks only: abort.
         return fail_together(str(exc), code=2)
     except CheckpointError as exc:  # the resume file
         return fail_together(str(exc))

@@ -12,8 +12,7 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from hpctrain.errors import ConfigError
-from hpctrain.train.nonfinite import MODES as NONFINITE_MODES, NONFINITE_EXIT_CODE
+from hpctrain.errors import NONFINITE_EXIT_CODE, ConfigError
 
 __all__ = [
     "ConfigError", "TrainSection", "DDPSection", "ZeroSection", "FSDPSection", "PipelineSection",
@@ -42,6 +41,7 @@ ALLGATHER_BUCKET_BYTES = 1 << 30
 OPTIMIZERS = ("sgd", "adamw")  # the usual two; any torch.optim class is accepted
 PRECISIONS = ("fp32", "bf16", "fp16")
 LOSS_WEIGHTS = ("samples", "tokens")
+NONFINITE_MODES = ("stop", "skip", "ignore")  # train/nonfinite.py: what the guard does
 PROGRESS = ("auto", "on", "off")
 DEVICES = ("auto", "cpu", "cuda")
 

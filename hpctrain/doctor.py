@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass
 from typing import Mapping, Sequence, TextIO
 
-from hpctrain import __version__
+from hpctrain.version import __version__
 from hpctrain.runtime.launcher import LaunchInfo, detect_launcher
 
 __all__ = ["Check", "CHECK_NAMES", "collect", "format_report", "run_doctor",

@@ -11,7 +11,10 @@ keep working.
 from __future__ import annotations
 
 __all__ = ["UserInputError", "ConfigError", "UsageError", "EnvError", "SetupError", "SetupTypeError",
-           "as_setup_error"]
+           "as_setup_error", "NONFINITE_EXIT_CODE"]
+
+#: The exit code of a run the non-finite guard stopped (train/nonfinite.py NonFiniteError).
+NONFINITE_EXIT_CODE = 3
 
 
 class UserInputError(ValueError):

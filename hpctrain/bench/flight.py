@@ -94,19 +94,19 @@ def _timing_the_wrapper(acc: list):
     """Add to ``acc[0]`` the time every op spends in the recording wrapper (and in its request
     wrapper's wait/test): the op's time minus its backend's. The wrapper is rebuilt around a
     timed backend, so it is the real one, timed where it runs: inside a step, caches cold."""
-    from hpctrain.runtime.comm import base
+    from hpctrain.runtime.comm import Communicator, recording
 
     saved = {}
-    for name in base._BLOCKING_OPS + base._NONBLOCKING_OPS:
-        nb = name in base._NONBLOCKING_OPS
-        saved[name] = method = base.Communicator.__dict__[name]
-        wrapped = base._recorded(name, _timed(method.__wrapped__, -1, nb, acc), nb)
-        setattr(base.Communicator, name, _timed(wrapped, +1, nb, acc))
+    for name in recording.BLOCKING_OPS + recording.NONBLOCKING_OPS:
+        nb = name in recording.NONBLOCKING_OPS
+        saved[name] = method = Communicator.__dict__[name]
+        wrapped = recording._recorded(name, _timed(method.__wrapped__, -1, nb, acc), nb)
+        setattr(Communicator, name, _timed(wrapped, +1, nb, acc))
     try:
         yield
     finally:
         for name, method in saved.items():
-            setattr(base.Communicator, name, method)
+            setattr(Communicator, name, method)
 
 
 def _time_steps(world, strategy, model, options, steps, blocks, batch, control):

@@ -16,6 +16,7 @@ from hpctrain.checkpoint.layout import Entry, from_numpy
 from hpctrain.checkpoint.meta import JSON_ATTRS, torch_dtype
 from hpctrain.checkpoint.reader import CheckpointError, Reader, raise_agreed
 from hpctrain.checkpoint.writer import SaveSteps
+from hpctrain.version import __version__
 
 __all__ = ["save_checkpoint", "load_checkpoint", "load_model_state", "read_model_state",
            "write_entries", "attr_problems", "FORMAT", "MODEL_FORMAT"]
@@ -107,8 +108,6 @@ def save_checkpoint(directory: str, step: int, par, world, cfg, sampler, losses,
     """Write DIR/ckpt-STEP.h5 (collective over the world); keep the newest keep; return the path.
 
     ``schedule``: the lr schedule (train/schedule.py), its state_dict stored as JSON."""
-    from hpctrain import __version__
-
     steps = SaveSteps(world.mpi_comm, 0)  # the watchdog sees these steps too
     with steps, steps("dir"):
         _agree_dir(directory, world.mpi_comm)

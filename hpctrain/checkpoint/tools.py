@@ -18,6 +18,7 @@ from hpctrain.checkpoint.meta import JSON_ATTRS
 from hpctrain.checkpoint.reader import CheckpointError, Reader
 from hpctrain.checkpoint.state import (FORMAT, MODEL_FORMAT, attr_problems, read_model_state,
                                        write_entries)
+from hpctrain.version import __version__
 
 __all__ = ["inspect", "export"]
 
@@ -105,8 +106,6 @@ def export(path: str, out_path: str) -> int:
     so a plain ``load_state_dict(strict=True)`` finds every key.
     """
     from mpi4py import MPI
-
-    from hpctrain import __version__
 
     _check_out(path, out_path)
     with Reader(path) as reader:

@@ -8,23 +8,13 @@ applies the transforms in their fixed order and returns a Parallelized. ``wrap(s
 
 from __future__ import annotations
 
-__all__ = ["STRATEGY_MODULES", "wrap", "Parallelized", "OptimizerFactory"]
+__all__ = ["STRATEGIES", "wrap", "Parallelized", "OptimizerFactory"]
 
-# The shorthand strategy names and the module of each one's main transform.
-STRATEGY_MODULES = {
-    "single": "hpctrain.parallel.single",
-    "ddp": "hpctrain.parallel.ddp",
-    # One module, three presets: zero.options_for fills in (or checks) the stage.
-    "zero1": "hpctrain.parallel.zero",
-    "zero2": "hpctrain.parallel.zero",
-    "zero3": "hpctrain.parallel.zero",
-    # wrap() takes a LayerStack (models.registry.build_layers) or an nn.Sequential.
-    "pipeline": "hpctrain.parallel.pipeline",
-    "domain": "hpctrain.parallel.domain.strategy",
-    "fsdp": "hpctrain.parallel.fsdp",
-    # options: TensorOptions (sequence parallel, a plan); the model's tp_plan otherwise.
-    "tensor": "hpctrain.parallel.tensor",
-}
+#: The shorthand strategy names wrap() takes. zero1-3: one transform, three presets
+#: (zero.options_for fills in or checks the stage); pipeline takes a LayerStack
+#: (models.registry.build_layers) or an nn.Sequential; tensor: TensorOptions, else the
+#: model's tp_plan.
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "pipeline", "domain", "fsdp", "tensor")
 
 
 def __getattr__(name):
@@ -45,8 +35,8 @@ def wrap(strategy: str, model, make_optimizer, world, options=None, mesh: str = 
     from hpctrain.parallel.orchestrator import parallelize
     from hpctrain.parallel.plan import STRATEGY_TABLE, build_plan
 
-    if strategy not in STRATEGY_MODULES:
-        raise ValueError(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGY_MODULES)}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
     if strategy in ("zero1", "zero2", "zero3"):
         from hpctrain.parallel.zero import options_for
 

@@ -20,10 +20,10 @@ Layout:
                    mmap held through the buffer protocol). flight.FlightRecorder subclasses
                    it. Python readers (the watchdog's thread) see ordinary containers: C code
                    holding the GIL makes each start/end atomic with respect to them.
-  Recorded         the wrapper of one Communicator method (base._recorded): a method
+  Recorded         the wrapper of one Communicator method (recording._recorded): a method
                    descriptor with vectorcall (Py_TPFLAGS_METHOD_DESCRIPTOR), so
                    ``comm.allreduce(t)`` runs without a bound method, a frame or an args
-                   tuple. It reads base's ``_RECORDER`` at each call (tests swap it).
+                   tuple. It reads recording's ``_RECORDER`` at each call (tests swap it).
   RecordedRequest  a non-blocking op's request: ends the entry on wait() (on NCCL hands it
                    to rec.end_on_device, once), or on the first test() that returns True;
                    other attributes are the wrapped request's.
@@ -65,7 +65,7 @@ pending; the mirror is best effort (a failure to write it is ignored: the ring h
 enum { F_SEQ, F_OP, F_GROUP, F_NBYTES, F_DTYPE, F_PEER, F_STEP, F_PHASE, F_START, F_END,
        F_NUMBER, NSLOTS };
 
-/* how a wrapper sizes its op (base._SIZERS) */
+/* how a wrapper sizes its op (recording._SIZERS) */
 enum { SIZE_TENSOR, SIZE_PEER, SIZE_SCALARS, SIZE_CALL };
 
 /* configured from flight.py */
@@ -1072,7 +1072,7 @@ typedef struct {
     PyObject *name;   /* the op's name, recorded as is */
     PyObject *fn;     /* the wrapped method */
     PyObject *sizer;  /* SIZE_CALL: sizer(args, kwargs) -> (nbytes, dtype, peer) */
-    PyObject *ns;     /* base's globals: _RECORDER and group_key, read per call */
+    PyObject *ns;     /* recording's globals: _RECORDER and group_key, read per call */
     PyObject *dict;   /* __name__, __qualname__, __doc__, __wrapped__, ... */
     int nonblocking, p2p, sizing, peer_at;
     vectorcallfunc vectorcall;
@@ -1102,7 +1102,7 @@ size_tensor(PyObject *t, PyObject **nbytes, PyObject **dtype)
     return 0;
 }
 
-/* base._SIZERS in C; new references in the three outputs */
+/* recording._SIZERS in C; new references in the three outputs */
 static int
 size_op(Recorded *self, PyObject *const *pos, Py_ssize_t npos, PyObject *kwnames,
         PyObject **nbytes, PyObject **dtype, PyObject **peer)

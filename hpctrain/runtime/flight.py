@@ -1,12 +1,13 @@
 """Flight recorder: every communication operation of this rank, in a bounded ring buffer.
 
-``Communicator``'s public methods (runtime/comm/base.py) call :meth:`FlightRecorder.start`
-and :meth:`FlightRecorder.end` around the backend hook; a non-blocking op ends when its
-request completes (wait(), or a test() that returned True). Horovod's synchronize (the ddp
-flavour) is recorded through :meth:`FlightRecorder.op`. Each entry holds: the sequence
-number per group (collectives and point-to-point counted apart, as NCCL's flight recorder
-does), op, group, bytes, dtype, peer, step and phase (from ``abort.set_context``), start and
-end times (``time.time()``, comparable across ranks of one machine, roughly across nodes).
+``Communicator``'s public methods (wrapped by runtime/comm/recording.py) call
+:meth:`FlightRecorder.start` and :meth:`FlightRecorder.end` around the backend hook; a
+non-blocking op ends when its request completes (wait(), or a test() that returned True).
+Horovod's synchronize (the ddp flavour) is recorded through :meth:`FlightRecorder.op`. Each
+entry holds: the sequence number per group (collectives and point-to-point counted apart, as
+NCCL's flight recorder does), op, group, bytes, dtype, peer, step and phase (from
+``abort.set_context``), start and end times (``time.time()``, comparable across ranks of one
+machine, roughly across nodes).
 
 The watchdog (runtime/watchdog.py) reads the pending entries from its own thread; the ring and
 the pending dict are only appended/removed under the GIL, so no lock is taken on the hot path.
@@ -187,10 +188,6 @@ IO_PREFIX = "ckpt_"
 
 P2P_OPS = frozenset(("send", "recv", "isend", "irecv", "p2p_group", "isend_boxes",
                      "irecv_boxes"))
-
-
-def _is_collective(op: str) -> bool:
-    return op not in P2P_OPS
 
 
 # The last op, mirrored into a small memory-mapped file when the watchdog gives one: a rank

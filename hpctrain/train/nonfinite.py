@@ -14,8 +14,8 @@ parameters, the optimizer state or a checkpoint):
   ``stop`` does. A finite step resets the count.
   The lr schedule still advances over a skipped step (it counts toward train.steps:
   train/schedule.py).
-* ``ignore``: step anyway (the behaviour before the guard). A checkpoint of non-finite
-  parameters is still never written: that save is left out with a line saying so.
+* ``ignore``: step anyway. A checkpoint of non-finite parameters is still never written:
+  that save is left out with a line saying so.
 
 What is checked, on values every rank agrees on, so every rank decides alike: the
 all-reduced loss, then the global gradient norm (the clipping norm when
@@ -26,8 +26,8 @@ shard it owns, by slot), one allgather of those lists, and the first name in a c
 order (each name where it first appears going over the ranks in order, each rank's
 parameters in model order) is reported.
 
-fp16: the GradScaler skips a step whose gradients overflowed and lowers the scale, as
-before; such steps are not guard events. The guard acts when the scaler cannot help: the
+fp16: a step whose gradients overflowed is the GradScaler's to skip (it lowers the scale);
+such steps are not guard events. The guard acts when the scaler cannot help: the
 loss itself (unscaled, fp32) is not finite, or the gradients are not finite although the
 loss scale has already fallen below ``SCALE_FLOOR`` (1.0: they overflow even unscaled;
 from the initial 2**16 that is 17 overflowed steps in a row).
@@ -37,12 +37,11 @@ from __future__ import annotations
 
 import math
 
-from hpctrain.errors import UsageError
+from hpctrain.config import NONFINITE_MODES as MODES
+from hpctrain.errors import NONFINITE_EXIT_CODE, UsageError
 
 __all__ = ["NonFiniteError", "NonFiniteGuard", "NONFINITE_EXIT_CODE", "MODES", "SCALE_FLOOR"]
 
-NONFINITE_EXIT_CODE = 3  # the exit code of a run the guard stopped (the CLI returns it)
-MODES = ("stop", "skip", "ignore")
 SCALE_FLOOR = 1.0
 
 

@@ -17,7 +17,7 @@ import torch
 
 from hpctrain.runtime import flight
 from hpctrain.runtime.abort import _context, set_context
-from hpctrain.runtime.comm import base
+from hpctrain.runtime.comm import base, recording
 from hpctrain.runtime.flight import MIRROR_SIZE, NAME_SLOTS, dtype_name, read_mirror
 from hpctrain.runtime.timeline import TIMELINE, Timeline
 
@@ -31,16 +31,16 @@ def kind(request):
         if flight.CFlightRecorder is None:
             pytest.skip("the C extension is not built (or HPCTRAIN_FLIGHT_PURE=1)")
         return SimpleNamespace(name="c", Recorder=flight.CFlightRecorder,
-                               recorded=base._recorded_c)
+                               recorded=recording._recorded_c)
     return SimpleNamespace(name="python", Recorder=flight.PyFlightRecorder,
-                           recorded=base._recorded_py)
+                           recorded=recording._recorded_py)
 
 
 @pytest.fixture
 def recorder(kind, monkeypatch):
     """A fresh recorder of ``kind`` in place of the process's one, for the wrappers."""
     rec = kind.Recorder()
-    monkeypatch.setattr(base, "_RECORDER", rec)
+    monkeypatch.setattr(recording, "_RECORDER", rec)
     return rec
 
 
@@ -70,15 +70,15 @@ def test_the_active_implementation_is_the_extension_when_built():
     assert (flight.IMPLEMENTATION == "c") == (flight._flightc is not None)
     if flight.IMPLEMENTATION == "c":
         assert flight.FlightRecorder is flight.CFlightRecorder and flight.Entry is flight.CEntry
-        assert base._recorded is base._recorded_c
+        assert recording._recorded is recording._recorded_c
         assert type(base.Communicator.__dict__["allreduce"]).__name__ == "Recorded"
         assert isinstance(flight.RECORDER, flight.CFlightRecorder)
     else:
-        assert base._recorded is base._recorded_py
+        assert recording._recorded is recording._recorded_py
 
 
 def test_the_pure_fallback_is_forced_by_the_environment():
-    code = ("import hpctrain.runtime.comm.base as b, hpctrain.runtime.flight as f; "
+    code = ("import hpctrain.runtime.comm.recording as b, hpctrain.runtime.flight as f; "
             "print(f.IMPLEMENTATION, b._recorded is b._recorded_py, f.CFlightRecorder)")
     env = {**os.environ, "HPCTRAIN_FLIGHT_PURE": "1", "PYTHONPATH": ROOT}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
@@ -437,7 +437,7 @@ def test_a_device_marker_ends_completed_ops_on_the_device(kind, monkeypatch):
             super().end_on_device(e, m)
 
     rec = Spy()
-    monkeypatch.setattr(base, "_RECORDER", rec)
+    monkeypatch.setattr(recording, "_RECORDER", rec)
     comm = _Comm()
     comm._device_marker = lambda: marker
     kind.recorded("allreduce", lambda self, t: t, False)(comm, torch.ones(1))
@@ -496,11 +496,11 @@ def test_both_implementations_record_the_same(context):
     if flight.CFlightRecorder is None:
         pytest.skip("the C extension is not built (or HPCTRAIN_FLIGHT_PURE=1)")
     records = []
-    for rec, recorded in ((flight.PyFlightRecorder(8), base._recorded_py),
-                          (flight.CFlightRecorder(8), base._recorded_c),
-                          (flight.PyFlightRecorder(8), base._recorded_c),
-                          (flight.CFlightRecorder(8), base._recorded_py)):
-        saved, base._RECORDER = base._RECORDER, rec
+    for rec, recorded in ((flight.PyFlightRecorder(8), recording._recorded_py),
+                          (flight.CFlightRecorder(8), recording._recorded_c),
+                          (flight.PyFlightRecorder(8), recording._recorded_c),
+                          (flight.CFlightRecorder(8), recording._recorded_py)):
+        saved, recording._RECORDER = recording._RECORDER, rec
         try:
             comm = _Comm()
             t = torch.ones(3, dtype=torch.bfloat16)
@@ -513,7 +513,7 @@ def test_both_implementations_record_the_same(context):
                 if step < 3:
                     req.wait()
         finally:
-            base._RECORDER = saved
+            recording._RECORDER = saved
         strip = [{k: v for k, v in e.as_dict().items() if k not in ("start", "end")}
                  for e in rec.ring]
         records.append((strip, [e.end is None for e in rec.ring], rec.snapshot()["seqs"],
@@ -525,7 +525,7 @@ def test_both_implementations_record_the_same(context):
 def test_many_ops_leak_nothing(kind, monkeypatch):
     """100k recorded ops: references and memory stay what the ring (capacity 64) holds."""
     rec = kind.Recorder(64)
-    monkeypatch.setattr(base, "_RECORDER", rec)
+    monkeypatch.setattr(recording, "_RECORDER", rec)
     dtype, result, comm = object(), object(), _Comm()
     tensor = SimpleNamespace(nbytes=10**20, dtype=dtype)  # a big int: a new object per read
     allreduce = kind.recorded("allreduce", lambda self, t, op="sum": result, False)
@@ -561,7 +561,7 @@ def test_many_ops_leak_nothing(kind, monkeypatch):
 
 
 def test_the_communicator_methods_are_recorded_wrappers():
-    """Bound and unbound use, introspection of the wrapped method."""
+    """Bound and unbound use, introspection of the wrapped method; wrapped once."""
     import inspect
 
     method = base.Communicator.__dict__["allreduce"]
@@ -569,6 +569,9 @@ def test_the_communicator_methods_are_recorded_wrappers():
     assert method.__doc__ == method.__wrapped__.__doc__
     assert "tensor" in inspect.signature(base.Communicator.allreduce).parameters
     assert base.Communicator.allreduce is method
+    recording.install()  # done once by the package import: a second call wraps nothing again
+    assert base.Communicator.__dict__["allreduce"] is method
+    assert not hasattr(method.__wrapped__, "__wrapped__")
 
 
 def test_a_failing_allocation_raises_cleanly_and_leaves_nothing_pending(monkeypatch):
@@ -578,11 +581,11 @@ def test_a_failing_allocation_raises_cleanly_and_leaves_nothing_pending(monkeypa
     if flight.CFlightRecorder is None or not hasattr(_testcapi, "set_nomemory"):
         pytest.skip("needs the C extension and _testcapi.set_nomemory")
     rec = flight.CFlightRecorder(16)
-    monkeypatch.setattr(base, "_RECORDER", rec)
+    monkeypatch.setattr(recording, "_RECORDER", rec)
     m = mmap.mmap(-1, MIRROR_SIZE)
     rec.set_mirror(m)
-    allreduce = base._recorded_c("allreduce", lambda self, t: t, False)
-    isend = base._recorded_c("isend", lambda self, t, dest: base.CompletedRequest(t), True)
+    allreduce = recording._recorded_c("allreduce", lambda self, t: t, False)
+    isend = recording._recorded_c("isend", lambda self, t, dest: base.CompletedRequest(t), True)
     comm, t, reqs = _Comm(), torch.ones(2), [None] * 80  # kept, without allocating
 
     def nonblocking(i):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hpctrain.runtime import flight
-from hpctrain.runtime.comm import base
+from hpctrain.runtime.comm import base, recording
 from hpctrain.runtime.watchdog import Watchdog
 
 
@@ -60,10 +60,10 @@ def k(request, monkeypatch):
     if request.param == "c":
         if flight.CFlightRecorder is None:
             pytest.skip("the C extension is not built (or HPCTRAIN_FLIGHT_PURE=1)")
-        rec, wrap = flight.CFlightRecorder(), base._recorded_c
+        rec, wrap = flight.CFlightRecorder(), recording._recorded_c
     else:
-        rec, wrap = flight.PyFlightRecorder(), base._recorded_py
-    monkeypatch.setattr(base, "_RECORDER", rec)
+        rec, wrap = flight.PyFlightRecorder(), recording._recorded_py
+    monkeypatch.setattr(recording, "_RECORDER", rec)
     return SimpleNamespace(rec=rec, recorded=wrap,
                            allreduce=wrap("allreduce", lambda self, t, op="sum": None, False),
                            iallreduce=wrap("iallreduce", lambda self, t, op="sum": _Request(),

@@ -115,10 +115,10 @@ def _mpi(ctx: Context, rep: PartReport) -> None:
 
 
 def run(ctx: Context, rep: PartReport) -> None:
-    import hpctrain
     from hpctrain.runtime.flight import IMPLEMENTATION
+    from hpctrain.version import __version__
 
-    rep.add("hpctrain", "info", value=hpctrain.__version__,
+    rep.add("hpctrain", "info", value=__version__,
             detail=f"flight recorder: {IMPLEMENTATION}")
     rep.add("python", "info", value=platform.python_version(), detail=sys.executable)
     rep.add("torch", "info", value=torch.__version__,

@@ -2,7 +2,8 @@
 
 decomposition.py is pure arithmetic; halo.py the exchange and its adjoint; layers.py and
 convert.py the domain-parallel layers; functional.py the ops the forward calls itself (made
-exact on tiles or refused); strategy.py the ``domain`` strategy's wrap().
+exact on tiles or refused); strategy.py the ``domain`` transform (``prepare``: the model
+made domain parallel and its ``DomainExecutor``).
 """
 
 from hpctrain.parallel.domain.decomposition import split_bounds

@@ -7,6 +7,9 @@ use, so importing the interface does not initialise MPI or torch.distributed.
 
 from .base import (OPS, SUPPORTED_DTYPES, CollectiveRequest, Communicator, CompletedRequest,
                    NullCommunicator, Request, wait_all)
+from . import recording
+
+recording.install()  # every backend's public ops are recorded alike
 
 __all__ = ["OPS", "SUPPORTED_DTYPES", "CollectiveRequest", "Communicator", "CompletedRequest",
            "MPICommunicator", "NullCommunicator", "Request", "StagedCommunicator",
