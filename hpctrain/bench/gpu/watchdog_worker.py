@@ -10,7 +10,7 @@ device, for several timeouts; nothing may be reported (exit 0, one JSON line of 
 One process is world size 1, where communicators record nothing (base.py: size-1 groups
 cannot stall); the op is therefore recorded as the communicator wrapper records an NCCL
 op: ``RECORDER.start`` before it, ``RECORDER.end_on_device(entry, marker)`` after it, the
-marker a CUDA event behind it on the current stream (torchdist._stream_marker). On cuda the
+marker a CUDA event behind it on the current stream (runtime/comm/markers.py, as torchdist uses it). On cuda the
 op is a real NCCL all-reduce (a one-rank group) when NCCL starts, queued behind
 ``torch.cuda._sleep``. On cpu no kernel exists to queue behind: the marker is a stand-in
 whose ``query()`` turns True at the time the "kernel" would end (the recorder's marker
@@ -41,32 +41,6 @@ class TimedMarker:
         time.sleep(max(0.0, self.at - time.monotonic()))
 
 
-def _communicator_marker(torch):
-    """The NCCL communicator's marker factory, ``torchdist._stream_marker``, taken from its
-    source: importing torchdist starts MPI (mpi4py), which a one-process check must not
-    depend on (an MPI that cannot start as a singleton would end this process)."""
-    import ast
-    import inspect
-
-    import hpctrain.runtime.comm as pkg
-
-    path = os.path.join(os.path.dirname(inspect.getfile(pkg)), "torchdist.py")
-    try:
-        with open(path) as f:
-            tree = ast.parse(f.read())
-        fn = next(n for n in tree.body
-                  if isinstance(n, ast.FunctionDef) and n.name == "_stream_marker")
-        scope = {"torch": torch}
-        exec(compile(ast.Module([fn], []), path, "exec"), scope)  # noqa: S102 - our source
-        return scope["_stream_marker"], "torchdist._stream_marker (from its source)"
-    except (OSError, SyntaxError, StopIteration) as e:
-        def stream_marker():
-            event = torch.cuda.Event()
-            event.record()
-            return event
-        return stream_marker, f"a CUDA event on the current stream ({type(e).__name__})"
-
-
 class _Cuda:
     """The op and its marker on the GPU: a sleep kernel, then the op on the same stream."""
 
@@ -77,7 +51,9 @@ class _Cuda:
         torch.cuda.init()
         self.tensor = torch.ones(1 << 20, device="cuda")
         self.op_kind = self._start_nccl()
-        self.marker, self.marker_kind = _communicator_marker(torch)
+        from hpctrain.runtime.comm.markers import stream_marker
+
+        self.marker, self.marker_kind = stream_marker, "comm.markers.stream_marker (NCCL's marker)"
         self.cycles_per_s = self._calibrate()
 
     def _start_nccl(self) -> str:

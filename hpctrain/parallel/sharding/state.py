@@ -19,16 +19,20 @@ class ShardState:
     def _slot_of(self) -> dict:
         return {id(s.param): (u, s) for u in self.units for s in u.slots}
 
+    def _model_tensors(self):
+        """(checkpoint name, tensor) of each distinct model tensor (tied ones once)."""
+        seen = set()
+        for key, t in self.model.state_dict(keep_vars=True).items():
+            if id(t) not in seen:
+                seen.add(id(t))
+                yield f"model/{self.name_of(key)}", t
+
     def state_entries(self) -> list:
         """Checkpoint entries named as base.py names them, placed by placement.entry: shards
         give their owned elements of the parameter's slice of the global tensor."""
-        slot_of, entries, seen = self._slot_of(), [], set()
+        slot_of, entries = self._slot_of(), []
         job = self.world.size
-        for key, t in self.model.state_dict(keep_vars=True).items():
-            if id(t) in seen:
-                continue
-            seen.add(id(t))
-            name = f"model/{self.name_of(key)}"
+        for name, t in self._model_tensors():
             if id(t) in slot_of:
                 u, s = slot_of[id(t)]
                 elems, view = u.shard_view(s)
@@ -67,13 +71,9 @@ class ShardState:
         """Load this rank's shards and replicated tensors from a checkpoint of any strategy."""
         from hpctrain.checkpoint.layout import from_numpy
 
-        slot_of, seen = self._slot_of(), set()
+        slot_of = self._slot_of()
         with torch.no_grad():
-            for key, t in self.model.state_dict(keep_vars=True).items():
-                if id(t) in seen:
-                    continue
-                seen.add(id(t))
-                name = f"model/{self.name_of(key)}"
+            for name, t in self._model_tensors():
                 if id(t) in slot_of:
                     u, s = slot_of[id(t)]
                     elems, view = u.shard_view(s)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .base import AllRequests, CollectiveRequest, Communicator, NullCommunicator, Request
+from .markers import stream_marker as _stream_marker
 from .mpi import MPICommunicator
 
 __all__ = ["TorchDistCommunicator", "TorchDistRequest"]
@@ -33,14 +34,6 @@ _UNSUPPORTED = object()  # what _try_native returns when the backend lacks the c
 # At least this for every group made from now on (extend_op_timeout)
 _MIN_TIMEOUT = datetime.timedelta(0)
 
-
-def _stream_marker():
-    """A CUDA event recorded on the current stream, behind the op just issued or waited
-    for (ProcessGroupNCCL makes the current stream wait for its NCCL stream): it completes
-    when the op has completed on the GPU. The flight recorder's marker for NCCL ops."""
-    event = torch.cuda.Event()
-    event.record()
-    return event
 
 # Subgroups by their global ranks in group-rank order. They are created with
 # use_local_synchronization, whose group names are hashes of the ranks, so one rank list
