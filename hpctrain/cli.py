@@ -153,15 +153,19 @@ def build_parser() -> argparse.ArgumentParser:
     bc = bsub.add_parser("checkpoint", help="hpctrain vs torch.distributed.checkpoint vs dd")
     bc.add_argument("--mb", type=_positive_int, default=400, help="model state size in MB")
     bc.add_argument("--dir", default="", help="directory on the disk to test (default: a temp dir)")
-    bf = bsub.add_parser("flight", help="step time with the flight recorder on vs off "
-                         "(target ratio <= 1.01); run under the launcher")
+    bf = bsub.add_parser("flight", help="the flight recorder's share of a training step "
+                         "(budget <= 1%% of a >= 50 ms step); run under the launcher")
     bf.add_argument("--strategy", default="zero3", help="strategy to time")
     bf.add_argument("--model", default="gpt", help="built-in model")
     bf.add_argument("--steps", type=int, default=2, help="steps per block")
     bf.add_argument("--blocks", type=int, default=64, help="on/off blocks, ABBA order (a multiple of 4)")
     bf.add_argument("--batch", type=int, default=16, help="global batch size")
-    bf.add_argument("--sizes", default="tiny,medium",
-                    help="gpt sizes to time (tiny: the defaults; medium: d_model 192, 4 layers)")
+    bf.add_argument("--sizes", default="",
+                    help="gpt sizes to time (tiny: the defaults; medium: d_model 192, 4 layers, "
+                    "the CPU budget step; gpu: d_model 1024, 8 layers, the GPU budget step); "
+                    "default: tiny,medium on CPU, gpu on a GPU")
+    bf.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="where the ranks train (auto: a GPU when one is visible)")
     bf.add_argument("--control", action="store_true",
                     help="A/A run: the recorder on in both modes (the ratio shows the noise)")
     bm = bsub.add_parser("memory", help="peak RSS per rank of each strategy vs the ZeRO formula "
@@ -561,7 +565,7 @@ def cmd_bench(args) -> int:
         from hpctrain.bench.flight import run as run_flight
 
         return run_flight(args.strategy, args.model, args.steps, args.blocks, args.batch,
-                          args.sizes, args.control)
+                          args.sizes, args.control, args.device)
     if args.bench_command == "memory":
         from hpctrain.bench.memory import run as run_memory
 

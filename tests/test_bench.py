@@ -142,3 +142,18 @@ def test_bench_checkpoint_state_is_the_size_asked_for():
     for mb in (1, 8, 65, 200):
         nbytes = sum(t.numel() * t.element_size() for t in _model(mb).state_dict().values())
         assert mb * 2**20 * 0.99 <= nbytes <= mb * 2**20, (mb, nbytes)
+
+
+@pytest.mark.parametrize("name, device, share, step_s, verdict", [
+    ("medium", "cpu", 0.002, 0.06, " PASS"),
+    ("medium", "cpu", 0.011, 0.06, " FAIL"),
+    ("medium", "cpu", 0.002, 0.03, " NO VERDICT: the step is 30 ms, under 50 ms (raise --batch)"),
+    ("tiny", "cpu", 0.12, 0.005, " (information)"),
+    ("gpu", "cuda", 0.002, 0.08, " PASS"),
+    ("medium", "cuda", 0.002, 0.06, " (information)"),
+])
+def test_bench_flight_judges_only_the_budget_step(name, device, share, step_s, verdict):
+    """The 1% budget is set on a realistic step (medium on CPU, gpu on a GPU, >= 50 ms)."""
+    from hpctrain.bench.flight import _verdict
+
+    assert _verdict(name, device, share, step_s) == verdict

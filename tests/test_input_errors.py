@@ -12,8 +12,6 @@ import pytest
 
 from hpctrain import cli
 from hpctrain.errors import EnvError, SetupError, SetupTypeError, UsageError, as_setup_error
-from hpctrain.runtime import flight
-from hpctrain.runtime.env import FALSE_WORDS, TRUE_WORDS
 from tests.mpirun import run_mpi, run_single
 
 BASE = ["train", "--model", "mlp", "--steps", "2", "--out-dir", "", "--progress", "off"]
@@ -48,8 +46,6 @@ CASES = [  # (flags, environment, words the one line holds)
     (["--trace", "{file}/sub"], {}, "train.trace_dir (--trace) = "),
     ([], {"HPCTRAIN_MMAP_THRESHOLD_KB": "-5"},
      "HPCTRAIN_MMAP_THRESHOLD_KB='-5': expected an integer number of KB >= 0"),
-    ([], {"HPCTRAIN_FLIGHT_PURE": "maybe"},
-     "HPCTRAIN_FLIGHT_PURE='maybe' is not a clear boolean; set it to one of 1, true, yes, on"),
     ([], {"HPCTRAIN_CKPT_FORCE_SERIAL": "2"}, "HPCTRAIN_CKPT_FORCE_SERIAL='2'"),
     ([], {"HPCTRAIN_COMM": "gloo"}, "HPCTRAIN_COMM='gloo' is not one of auto, nccl, mpi"),
     ([], {"HPCTRAIN_RANKS_PER_NODE": "0"}, "HPCTRAIN_RANKS_PER_NODE='0' is not a positive"),
@@ -98,26 +94,13 @@ def test_malformed_input_is_one_line_before_mpi(tmp_path, monkeypatch, capsys):
 
 
 def test_a_bad_environment_variable_is_one_line_from_the_command():
-    # the real process: exit code 2, stderr one line, no traceback (the flight recorder reads
-    # this variable at import, where it must not fail)
+    # the real process: exit code 2, stderr one line, no traceback
     proc = run_single(["-m", "hpctrain", "train", "--model", "mlp", "--out-dir", ""],
-                      env={"HPCTRAIN_FLIGHT_PURE": "maybe"}, check=False)
+                      env={"HPCTRAIN_CKPT_FORCE_SERIAL": "maybe"}, check=False)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        "hpctrain: error: HPCTRAIN_FLIGHT_PURE='maybe' is not a clear boolean; set it to one "
-        "of 1, true, yes, on (on) or 0, false, no, off (off), or unset it"]
-
-
-def test_flight_pure_takes_the_boolean_words():
-    for word in TRUE_WORDS + tuple(w.upper() for w in TRUE_WORDS):
-        assert flight.pure_requested({"HPCTRAIN_FLIGHT_PURE": word})
-        flight.check_env({"HPCTRAIN_FLIGHT_PURE": word})
-    for word in FALSE_WORDS + ("",):  # off/false/no mean off: the C path
-        assert not flight.pure_requested({"HPCTRAIN_FLIGHT_PURE": word})
-        flight.check_env({"HPCTRAIN_FLIGHT_PURE": word})
-    assert not flight.pure_requested({})
-    with pytest.raises(EnvError, match="HPCTRAIN_FLIGHT_PURE='maybe' is not a clear boolean"):
-        flight.check_env({"HPCTRAIN_FLIGHT_PURE": "maybe"})
+        "hpctrain: error: HPCTRAIN_CKPT_FORCE_SERIAL='maybe' is not a clear boolean; set it to "
+        "one of 1, true, yes, on (on) or 0, false, no, off (off), or unset it"]
 
 
 def test_strategy_checks_become_setup_errors_of_the_same_kind():

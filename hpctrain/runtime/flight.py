@@ -13,20 +13,12 @@ The watchdog (runtime/watchdog.py) reads the pending entries from its own thread
 the pending dict are only appended/removed under the GIL, so no lock is taken on the hot path.
 Cost: two clock reads, a few dict operations and one mirror write per op; what can wait is
 done when read (dtype names). Inside a training step every line runs with cold caches, so an
-op costs several times its tight-loop figure: ``bench flight`` measures both (on a shared
-2-core machine, in pure Python about 1.7-2 us per op in a loop, 8-14 us in place, of which the
-wrapper's skeleton alone, start and end doing nothing, is about 3 us and the mirror about 2 us;
-with the C extension 0.8-0.9 us in a loop, 2.3-2.5 us in place for the tiny step's ops).
+op costs several times its tight-loop figure: ``bench flight`` measures both, and the
+recorder's share of a realistic step, whose budget is at most 1% of a step of 50 ms or more
+(the 60 ms medium CPU step: 0.47% at 12.8 us per op in place on a quiet machine, 0.14-0.20%
+on a loaded one, where step and wrapper slow down alike).
 ``RECORDER.enabled = False`` (runtime.flight_recorder = false) makes recording a single
 attribute test.
-
-Two implementations record the same things: the C extension ``_flightc`` (the wrapper, start
-and end in C, built with the package: the Python skeleton is most of an op's cost in place,
-and a step of small collectives needs the C path to stay under 1%) and this module's
-pure Python, used when the extension is not built (a source tree) or when
-``HPCTRAIN_FLIGHT_PURE`` is on (``1/true/yes/on``; ``0/false/no/off`` or unset: the C path).
-``IMPLEMENTATION`` says which is active ("c" or "python"); ``FlightRecorder`` and ``Entry``
-are its classes, ``PyFlightRecorder``/``CFlightRecorder`` (None when not built) both kinds.
 
 Ops that complete on a device stream after the call returns (NCCL: the call only queues the
 kernel) end through :meth:`FlightRecorder.end_on_device` with a marker recorded on the stream
@@ -49,35 +41,10 @@ from operator import itemgetter
 from time import time as _time
 
 from hpctrain.runtime.abort import _context
-from hpctrain.runtime.env import TRUE_WORDS, env_flag
 from hpctrain.runtime.timeline import TIMELINE
 
-__all__ = ["RECORDER", "FlightRecorder", "Entry", "IMPLEMENTATION", "check_env",
-           "pure_requested", "group_key", "ranks_key", "members_of", "describe", "human_bytes",
-           "IO_PREFIX"]
-
-PURE_ENV = "HPCTRAIN_FLIGHT_PURE"
-
-
-def pure_requested(env) -> bool:
-    """Whether HPCTRAIN_FLIGHT_PURE asks for the pure Python recorder: a true word. Read at
-    import, where a value that is no boolean cannot be an error: it keeps the C path, and
-    check_env (preflight, init_world) refuses it with the words a boolean takes."""
-    return (env.get(PURE_ENV) or "").strip().lower() in TRUE_WORDS
-
-
-_flightc = None
-if not pure_requested(os.environ):
-    try:
-        from hpctrain.runtime import _flightc
-    except ImportError:  # not built (a source tree, or the build failed): pure Python
-        pass
-
-
-def check_env(env=None) -> None:
-    """EnvError when HPCTRAIN_FLIGHT_PURE holds no clear boolean (runtime/env.py's words)."""
-    env_flag(PURE_ENV, env)
-
+__all__ = ["RECORDER", "FlightRecorder", "Entry", "group_key", "ranks_key", "members_of",
+           "describe", "human_bytes", "IO_PREFIX"]
 
 def _field(i: int, settable: bool = False):
     get = itemgetter(i)
@@ -86,11 +53,17 @@ def _field(i: int, settable: bool = False):
     return property(get, lambda self, v: self.__setitem__(i, v))
 
 
-class _EntryMethods:
-    """What both kinds of entry share: the field names, the dtype named when read."""
+class Entry(list):
+    """One operation; ``end`` is None while it is pending. A list with named fields: made
+    per op on the hot path, and a list is a third of the cost of a slotted object. The dtype
+    is kept as given (a torch.dtype per op costs nothing) and named when read; a last,
+    unnamed field is the op's number on this rank (its key in ``pending``)."""
 
     __slots__ = ()
     FIELDS = ("seq", "op", "group", "nbytes", "dtype", "peer", "step", "phase", "start", "end")
+    seq, op, group, nbytes = (_field(i) for i in range(4))
+    peer, step, phase, start = (_field(i) for i in range(5, 9))
+    end = _field(9, settable=True)
 
     @property
     def dtype(self) -> str:
@@ -100,31 +73,6 @@ class _EntryMethods:
         d = dict(zip(self.FIELDS, self))  # the op's number is not a field
         d["dtype"] = dtype_name(d["dtype"])
         return d
-
-
-class PyEntry(_EntryMethods, list):
-    """One operation; ``end`` is None while it is pending. A list with named fields: made
-    per op on the hot path, and a list is a third of the cost of a slotted object. The dtype
-    is kept as given (a torch.dtype per op costs nothing) and named when read; a last,
-    unnamed field is the op's number on this rank (its key in ``pending``)."""
-
-    __slots__ = ()
-    seq, op, group, nbytes = (_field(i) for i in range(4))
-    peer, step, phase, start = (_field(i) for i in range(5, 9))
-    end = _field(9, settable=True)
-
-
-if _flightc is not None:
-    class CEntry(_EntryMethods, _flightc.Entry):
-        """:class:`PyEntry`'s fields in a C object (made by the C recorder): the same
-        indices (``e[9]`` is the end, ``e[10]`` the op's number) and names."""
-
-        __slots__ = ()
-
-        def __repr__(self) -> str:
-            return f"Entry({list(self)!r})"
-else:
-    CEntry = None
 
 
 _DTYPE_NAMES: dict = {}
@@ -221,14 +169,77 @@ def read_mirror(path: str) -> dict | None:
             "end": None if math.isnan(end) else end, "nbytes": 0, "peer": None}
 
 
-class _RecorderMethods:
-    """What both kinds of recorder share: reading the record, op(), ops ending on a device."""
+class FlightRecorder:
+    """The per-rank ring buffer of operations (see the module docstring)."""
 
-    def _init_device_queue(self) -> None:
+    def __init__(self, capacity: int = 4096):
+        self.mirror = None  # a writable mmap of MIRROR_SIZE bytes, set by the watchdog
+        self._names: dict = {}  # (op, group, phase) -> its index in the mirror's table
+        self._pack_header = self._end_view = None  # writers into the mirror's header
+        self.enabled = True
+        self.ring: deque = deque(maxlen=capacity)
+        # each op until it completes, in start order (dicts keep insertion order): the first
+        # one is the oldest
+        self.pending: dict[int, Entry] = {}  # keyed by the op's number
+        self.seqs: dict[str, int] = {}        # group key (+ ':p2p') -> last sequence number
+        self.count = 0                        # operations started (changes = news for heartbeats)
         # (entry, marker) of ops queued on a device stream, in queue order (end_on_device);
         # appended by the main thread only, popped only under _reaping
         self.device_pending: deque = deque()
         self._reaping = threading.Lock()
+
+    def start(self, key: str, op: str, nbytes: int = 0, dtype="", peer=None) -> Entry:
+        """Record the start of ``op`` over group ``key``; return its entry for :meth:`end`.
+        ``dtype``: a torch.dtype or its name.
+
+        The hot path of every op: a few dict operations, one clock read, one mirror write."""
+        skey = key if op not in P2P_OPS else key + ":p2p"
+        seqs = self.seqs
+        seq = seqs[skey] = seqs.get(skey, 0) + 1
+        step, phase = _context.get("step"), _context.get("phase")
+        self.count = count = self.count + 1
+        now = _time()
+        e = Entry((seq, op, key, nbytes, dtype, peer, step, phase, now, None, count))
+        self.ring.append(e)
+        self.pending[count] = e
+        if self._pack_header is not None:  # the mirror: one struct write into the mmap
+            index = self._names.get((op, key, phase))
+            if index is None:
+                index = self._add_names((op, key, phase))
+            self._pack_header(count, seq, now, _NAN, step if step.__class__ is int else -1,
+                              index)
+        return e
+
+    def set_mirror(self, mirror) -> None:
+        """Mirror the last op into ``mirror`` (a writable mmap of MIRROR_SIZE bytes; None:
+        stop)."""
+        if self._end_view is not None:
+            self._end_view.release()
+        self.mirror, self._names = mirror, {}
+        self._pack_header = self._end_view = None
+        if mirror is not None:  # bound once: the hot path makes one call per store
+            self._pack_header = functools.partial(_HEADER.pack_into, mirror, 0)
+            with memoryview(mirror) as whole:  # the end field as a float64 view
+                self._end_view = whole[_END_AT:_END_AT + 8].cast("d")
+
+    def _add_names(self, names) -> int:
+        """Write (op, group, phase) into the mirror's table once; its index (-1: table full)."""
+        index = len(self._names) if len(self._names) < NAME_SLOTS else -1
+        if index >= 0:
+            op, key, phase = names
+            _NAMES.pack_into(self.mirror, _HEADER.size + index * _NAMES.size,
+                             op.encode()[:24], key.encode()[:48], (phase or "").encode()[:16])
+        self._names[names] = index
+        return index
+
+    def end(self, e: Entry) -> None:
+        """Record the completion (or failure) of ``e``."""
+        e[9] = t = _time()
+        self.pending.pop(e[10], None)
+        if e[10] == self.count and self._end_view is not None:  # the last op: in the mirror
+            self._end_view[0] = t
+        if TIMELINE.enabled:  # --trace: every finished op is a span on the rank's comm row
+            TIMELINE.op(e)
 
     def end_on_device(self, e, marker) -> None:
         """``e`` was queued on a device stream and completes when ``marker`` (``.query()`` ->
@@ -295,107 +306,6 @@ class _RecorderMethods:
     def dump(self, path: str, **info) -> None:
         """Write the whole record (plus ``info``: rank, host, ...) to ``path`` atomically."""
         write_json(path, {**info, **self.snapshot()})
-
-
-class PyFlightRecorder(_RecorderMethods):
-    """The per-rank ring buffer of operations (see the module docstring), in pure Python."""
-
-    def __init__(self, capacity: int = 4096):
-        self.mirror = None  # a writable mmap of MIRROR_SIZE bytes, set by the watchdog
-        self._names: dict = {}  # (op, group, phase) -> its index in the mirror's table
-        self._pack_header = self._end_view = None  # writers into the mirror's header
-        self.enabled = True
-        self.ring: deque = deque(maxlen=capacity)
-        # each op until it completes, in start order (dicts keep insertion order): the first
-        # one is the oldest
-        self.pending: dict[int, Entry] = {}  # keyed by the op's number
-        self.seqs: dict[str, int] = {}        # group key (+ ':p2p') -> last sequence number
-        self.count = 0                        # operations started (changes = news for heartbeats)
-        self._init_device_queue()
-
-    def start(self, key: str, op: str, nbytes: int = 0, dtype="", peer=None) -> Entry:
-        """Record the start of ``op`` over group ``key``; return its entry for :meth:`end`.
-        ``dtype``: a torch.dtype or its name.
-
-        The hot path of every op: a few dict operations, one clock read, one mirror write."""
-        skey = key if op not in P2P_OPS else key + ":p2p"
-        seqs = self.seqs
-        seq = seqs[skey] = seqs.get(skey, 0) + 1
-        step, phase = _context.get("step"), _context.get("phase")
-        self.count = count = self.count + 1
-        now = _time()
-        e = PyEntry((seq, op, key, nbytes, dtype, peer, step, phase, now, None, count))
-        self.ring.append(e)
-        self.pending[count] = e
-        if self._pack_header is not None:  # the mirror: one struct write into the mmap
-            index = self._names.get((op, key, phase))
-            if index is None:
-                index = self._add_names((op, key, phase))
-            self._pack_header(count, seq, now, _NAN, step if step.__class__ is int else -1,
-                              index)
-        return e
-
-    def set_mirror(self, mirror) -> None:
-        """Mirror the last op into ``mirror`` (a writable mmap of MIRROR_SIZE bytes; None:
-        stop)."""
-        if self._end_view is not None:
-            self._end_view.release()
-        self.mirror, self._names = mirror, {}
-        self._pack_header = self._end_view = None
-        if mirror is not None:  # bound once: the hot path makes one call per store
-            self._pack_header = functools.partial(_HEADER.pack_into, mirror, 0)
-            with memoryview(mirror) as whole:  # the end field as a float64 view
-                self._end_view = whole[_END_AT:_END_AT + 8].cast("d")
-
-    def _add_names(self, names) -> int:
-        """Write (op, group, phase) into the mirror's table once; its index (-1: table full)."""
-        index = len(self._names) if len(self._names) < NAME_SLOTS else -1
-        if index >= 0:
-            op, key, phase = names
-            _NAMES.pack_into(self.mirror, _HEADER.size + index * _NAMES.size,
-                             op.encode()[:24], key.encode()[:48], (phase or "").encode()[:16])
-        self._names[names] = index
-        return index
-
-    def end(self, e: Entry) -> None:
-        """Record the completion (or failure) of ``e``."""
-        e[9] = t = _time()
-        self.pending.pop(e[10], None)
-        if e[10] == self.count and self._end_view is not None:  # the last op: in the mirror
-            self._end_view[0] = t
-        if TIMELINE.enabled:  # --trace: every finished op is a span on the rank's comm row
-            TIMELINE.op(e)
-
-
-if _flightc is not None:
-    class CFlightRecorder(_RecorderMethods, _flightc.Recorder):
-        """:class:`PyFlightRecorder` with start() and end() in C (runtime/_flightc.c): the
-        same containers (``ring``, a deque; ``pending``, ``seqs``, dicts; ``count``), filled
-        by C code holding the GIL."""
-
-        def __init__(self, capacity: int = 4096):
-            super().__init__(capacity)
-            self.mirror = None  # a writable mmap of MIRROR_SIZE bytes, set by the watchdog
-            self._init_device_queue()
-
-        def set_mirror(self, mirror) -> None:
-            """Mirror the last op into ``mirror`` (a writable mmap of MIRROR_SIZE bytes; None:
-            stop, releasing it so that it can be closed)."""
-            self._set_mirror_buffer(mirror)
-            self.mirror = mirror
-
-    if (_flightc.HEADER_SIZE, _flightc.NAMES_SIZE, _flightc.NAME_SLOTS) != (
-            _HEADER.size, _NAMES.size, NAME_SLOTS):
-        raise ImportError("hpctrain.runtime._flightc was built for another mirror format; "
-                          "rebuild it (pip install -e .)")
-    _flightc.configure(CEntry, _context, TIMELINE, P2P_OPS)
-else:
-    CFlightRecorder = None
-
-#: which implementation records: "c" (the extension) or "python"
-IMPLEMENTATION = "c" if _flightc is not None else "python"
-FlightRecorder = CFlightRecorder if _flightc is not None else PyFlightRecorder
-Entry = CEntry if _flightc is not None else PyEntry
 
 
 class _Scope:

@@ -237,9 +237,6 @@ def init_world(ranks_per_node: int = 0, device: str = "auto", env: Mapping[str, 
     from hpctrain.runtime.malloc import tune_malloc
 
     tune_malloc(env)  # HPCTRAIN_MMAP_THRESHOLD_KB, before the model grows the heap (malloc.py)
-    from hpctrain.runtime.flight import check_env
-
-    check_env(env)  # HPCTRAIN_FLIGHT_PURE, read at import: refused here when unclear
     comm_choice(env)  # HPCTRAIN_COMM: refused before MPI when unclear
     per_node = ranks_per_node_override(env, ranks_per_node)
 

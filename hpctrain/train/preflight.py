@@ -15,7 +15,6 @@ from hpctrain.config import Config, ConfigError
 from hpctrain.errors import UsageError
 from hpctrain.runtime.device import cpu_threads, cuda_count, select_device
 from hpctrain.runtime.env import env_flag
-from hpctrain.runtime.flight import check_env as check_flight_env
 from hpctrain.runtime.launcher import LaunchInfo
 from hpctrain.runtime.malloc import mmap_threshold_kb
 from hpctrain.runtime.world import comm_choice, ranks_per_node_override
@@ -64,7 +63,6 @@ def check_environment(env: Mapping[str, str], cfg: Config, launch: LaunchInfo) -
     mmap_threshold_kb(env)
     cpu_threads(env, 1, 1)
     env_flag("HPCTRAIN_CKPT_FORCE_SERIAL", env)
-    check_flight_env(env)
     comm_choice(env)
     select_device(launch.local_rank, env, cuda_count(), cfg.runtime.device)
 

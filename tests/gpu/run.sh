@@ -5,7 +5,7 @@
 # 2. makes MPI work: if mpi4py finds no MPI library, or there is no mpiexec, or a 2-rank hello
 #    through it fails, it installs the wheels in <repo>/.whl (or $HPCTRAIN_WHEELS): the
 #    `mpich` wheel (libmpi + hydra's mpiexec) and a matching `mpi4py` wheel, then checks again;
-# 3. runs `python3 -m hpctrain bench gpu --out OUTDIR "$@"` on the pure-Python flight recorder.
+# 3. runs `python3 -m hpctrain bench gpu --out OUTDIR "$@"`.
 #
 # Why MPICH goes in with --prefix and not --target: pip --target drops a wheel's data files
 # under lib/ (it skips them as overlapping its own lib/python), and libmpi.so.12 is one.
@@ -117,6 +117,5 @@ EOF
 fi
 
 echo "== hpctrain bench gpu --out $out $*"
-export HPCTRAIN_FLIGHT_PURE=1
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 exec "$PY" -m hpctrain bench gpu --out "$out" "$@"

@@ -53,16 +53,11 @@ class _Request:
         return self.done
 
 
-@pytest.fixture(params=["c", "python"])
-def k(request, monkeypatch):
-    """Each implementation (runtime/_flightc.c, pure Python): a fresh recorder in place of
-    the process's one (``k.rec``), its wrapper (``k.recorded``) and two wrapped ops."""
-    if request.param == "c":
-        if flight.CFlightRecorder is None:
-            pytest.skip("the C extension is not built (or HPCTRAIN_FLIGHT_PURE=1)")
-        rec, wrap = flight.CFlightRecorder(), recording._recorded_c
-    else:
-        rec, wrap = flight.PyFlightRecorder(), recording._recorded_py
+@pytest.fixture
+def k(monkeypatch):
+    """A fresh recorder in place of the process's one (``k.rec``), the wrapper
+    (``k.recorded``) and two wrapped ops."""
+    rec, wrap = flight.FlightRecorder(), recording._recorded
     monkeypatch.setattr(recording, "_RECORDER", rec)
     return SimpleNamespace(rec=rec, recorded=wrap,
                            allreduce=wrap("allreduce", lambda self, t, op="sum": None, False),

@@ -284,19 +284,6 @@ def test_group_keys_stay_short_and_parse_back():
     assert members_of("world[size4]", 4) == [0, 1, 2, 3]
 
 
-def test_flight_pure_is_a_boolean():
-    from hpctrain.errors import EnvError
-    from hpctrain.runtime.flight import PURE_ENV, check_env, pure_requested
-
-    for word in ("1", "true", "YES", " on "):
-        assert pure_requested({PURE_ENV: word}) and check_env({PURE_ENV: word}) is None
-    for word in ("0", "false", "no", "off", "Off", ""):
-        assert not pure_requested({PURE_ENV: word}) and check_env({PURE_ENV: word}) is None
-    assert not pure_requested({})
-    with pytest.raises(EnvError, match=r"HPCTRAIN_FLIGHT_PURE='maybe' is not a clear boolean"):
-        check_env({PURE_ENV: "maybe"})
-
-
 def test_channels_left_by_killed_jobs_are_swept(tmp_path):
     """A job killed by a signal runs no cleanup: the next start removes its channel (owner
     gone, or nothing changed for a day), never a running job's."""

@@ -2,8 +2,8 @@
 
 torch and CUDA, the GPU (name, memory, SMs), NCCL, the MPI library mpi4py loads and the
 launcher on PATH (with a 2-rank hello through it: the multi-rank parts need both), Horovod,
-the flight recorder's implementation, and the two ceilings the speed figures are read
-against: a bf16 matrix product's rate and a device-to-device copy's bandwidth.
+and the two ceilings the speed figures are read against: a bf16 matrix product's rate and a
+device-to-device copy's bandwidth.
 """
 
 from __future__ import annotations
@@ -115,11 +115,9 @@ def _mpi(ctx: Context, rep: PartReport) -> None:
 
 
 def run(ctx: Context, rep: PartReport) -> None:
-    from hpctrain.runtime.flight import IMPLEMENTATION
     from hpctrain.version import __version__
 
-    rep.add("hpctrain", "info", value=__version__,
-            detail=f"flight recorder: {IMPLEMENTATION}")
+    rep.add("hpctrain", "info", value=__version__)
     rep.add("python", "info", value=platform.python_version(), detail=sys.executable)
     rep.add("torch", "info", value=torch.__version__,
             detail=f"CUDA {torch.version.cuda}, {os.cpu_count()} CPUs")

@@ -87,8 +87,8 @@ def _stall(ctx, rep) -> None:
             value=round(after, 2) if after is not None else None,  # s from the op's start
             target=f"STALL naming allreduce over world.nccl within {limit:.1f} s "
                    f"(timeout {TIMEOUT_S:g} + poll + grace + {MARGIN_S:g}), process ends",
-            detail=f"{where}op: {info.get('op')}; marker: {info.get('marker')}; recorder "
-                   f"{info.get('recorder')}; exit code {proc.returncode}; pending in the dumped "
+            detail=f"{where}op: {info.get('op')}; marker: {info.get('marker')}; "
+                   f"exit code {proc.returncode}; pending in the dumped "
                    f"flight record: {pending}; "
                    f"STALL line: {stall_line.strip() or '(none)'}"
                    + ("" if ok else "\n" + _tail(proc)))

@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     p.add_argument("--seconds", type=float, default=0.0, help="behind: how long to run")
     a = p.parse_args(argv)
 
-    from hpctrain.runtime.flight import IMPLEMENTATION, RECORDER
+    from hpctrain.runtime.flight import RECORDER
     from hpctrain.runtime.watchdog import Watchdog
 
     dev = _Cuda() if a.device == "cuda" else _Cpu()
@@ -144,8 +144,8 @@ def main(argv=None) -> int:
     dog = Watchdog(a.timeout, channel, a.out, rank=0, size=1, recorder=RECORDER, owner=True)
     dog.attach_mirror()
     dog.start()
-    info = {"op": dev.op_kind, "marker": dev.marker_kind, "recorder": IMPLEMENTATION,
-            "cycles_per_s": dev.cycles_per_s, "poll_s": dog.poll, "grace_s": dog.grace}
+    info = {"op": dev.op_kind, "marker": dev.marker_kind, "cycles_per_s": dev.cycles_per_s,
+            "poll_s": dog.poll, "grace_s": dog.grace}
     print("INFO " + json.dumps(info), flush=True)
     if a.case == "stall":
         # longer than the report takes (timeout + a poll + the grace) by a margin: if no

@@ -4,15 +4,14 @@ One wrapper around each public operation (blocking and non-blocking collectives,
 point, ``split``), so every backend and every strategy is recorded alike; size-1
 communicators are skipped (nothing can stall there). The wrappers are put on
 ``Communicator`` once, by :func:`install`, when the ``hpctrain.runtime.comm`` package is
-imported (before any backend: each inherits them). The compiled wrapper
-(runtime/_flightc.c) reads ``_RECORDER`` and ``group_key`` from this module's globals at
-each call (tests swap ``_RECORDER``).
+imported (before any backend: each inherits them). A wrapper reads ``_RECORDER`` from this
+module's globals at each call (tests swap it).
 """
 
 from __future__ import annotations
 
 from hpctrain.runtime.comm.base import Communicator, Request
-from hpctrain.runtime.flight import RECORDER as _RECORDER, _flightc, group_key
+from hpctrain.runtime.flight import RECORDER as _RECORDER, group_key
 
 __all__ = ["BLOCKING_OPS", "NONBLOCKING_OPS", "install"]
 
@@ -115,11 +114,10 @@ _SIZERS = {"send": _p2p_size, "recv": _p2p_size, "isend": _p2p_size, "irecv": _p
            "allreduce_scalars": _scalars_size}
 
 
-def _recorded_py(name: str, fn, nonblocking: bool):
-    """``fn`` wrapped to record each call in the flight recorder, in Python (the fallback of
-    :func:`_recorded_c`). Every op goes through this, so it is written for speed (inside a
-    training step every line runs with cold caches): one sizing function chosen here, the
-    group key cached on the communicator."""
+def _recorded(name: str, fn, nonblocking: bool):
+    """``fn`` wrapped to record each call in the flight recorder. Every op goes through
+    this, so it is written for speed (inside a training step every line runs with cold
+    caches): one sizing function chosen here, the group key cached on the communicator."""
     size_of = _SIZERS.get(name, _tensor_size)
 
     def method(self, *args, **kwargs):
@@ -142,27 +140,6 @@ def _recorded_py(name: str, fn, nonblocking: bool):
     method.__name__, method.__qualname__, method.__doc__ = name, fn.__qualname__, fn.__doc__
     method.__wrapped__ = fn
     return method
-
-
-# How the C wrapper sizes each op: _SIZERS' functions, the common ones done in C
-_C_SIZING = {"send": ("peer", 1), "recv": ("peer", 1), "isend": ("peer", 1),
-             "irecv": ("peer", 1), "isend_boxes": ("peer", 2), "irecv_boxes": ("peer", 2),
-             "p2p_group": _group_size, "allreduce_scalars": "scalars"}
-
-
-def _recorded_c(name: str, fn, nonblocking: bool):
-    """:func:`_recorded_py` in C (runtime/_flightc.c: a method descriptor called without a
-    frame, that reads ``_RECORDER`` and ``group_key`` from this module per call)."""
-    method = _flightc.Recorded(name, fn, nonblocking, _C_SIZING.get(name, "tensor"), globals())
-    method.__name__, method.__qualname__, method.__doc__ = name, fn.__qualname__, fn.__doc__
-    method.__module__, method.__wrapped__ = fn.__module__, fn
-    return method
-
-
-#: the wrapper of the active implementation (flight.IMPLEMENTATION)
-_recorded = _recorded_c if _flightc is not None else _recorded_py
-if _flightc is not None:
-    Request.register(_flightc.RecordedRequest)
 
 
 def install() -> None:
