@@ -46,12 +46,14 @@ def test_bench_tp_table_bytes_and_check(tmp_path):
         assert row["measured_ops"] == row["formula_ops"] == (
             {"allgather": 4 * layers, "reduce_scatter": 4 * layers} if row["sp"]
             else {"allreduce": 4 * layers})
-        # outside the blocks: the vocab-parallel embedding's and head's b*s*h collectives
-        # (Megatron's g and f) and the vocab-parallel cross-entropy's two all-reduces
+        # outside the blocks: the vocab-parallel embedding's output (forward) and the head's
+        # input (backward; under sequence parallel also its gather forward and the
+        # embedding's backward), and the vocab-parallel cross-entropy's two all-reduces
         assert row["rest_ops"] == ({"allgather": 2, "reduce_scatter": 2, "allreduce": 2}
                                    if row["sp"] else {"allreduce": 4}), row
-        # torch's whole step: the blocks' 4 per block, as ours; then its embedding, head and
-        # loss_parallel, and under sequence parallel the LayerNorms' gradient all-reduces
+        # torch's whole step: the blocks' as ours, the embedding and head as ours, its
+        # loss_parallel's 3 all-reduces; under sequence parallel one all-gather more (the
+        # position embedding's gradient) and the LayerNorms' 2L+1 x 2 gradient all-reduces
         assert row["torch_ops"] == ({"all_gather_into_tensor": 4 * layers + 3,
                                      "reduce_scatter_tensor": 4 * layers + 2,
                                      "all_reduce": 4 * layers + 5} if row["sp"]
