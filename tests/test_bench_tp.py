@@ -1,6 +1,6 @@
-"""bench tp: the table at 2 ranks on a tiny stack (bytes equal Megatron's formula exactly,
-the same computation as one rank and torch's tensor parallel), and its pieces on one process.
-No timing assertions: only that every ratio is a finite positive number."""
+"""bench tp: the table at 2 ranks on a tiny gpt (the blocks' bytes equal Megatron's formula
+exactly, the same computation as one rank and torch's tensor parallel), and its pieces on one
+process. No timing assertions: only that every ratio is a finite positive number."""
 
 import json
 import math
@@ -46,14 +46,23 @@ def test_bench_tp_table_bytes_and_check(tmp_path):
         assert row["measured_ops"] == row["formula_ops"] == (
             {"allgather": 4 * layers, "reduce_scatter": 4 * layers} if row["sp"]
             else {"allreduce": 4 * layers})
-        # torch's tensor parallel moves the same collectives (and, under sequence parallel,
-        # all-reduces the LayerNorms' partial gradients in its optimizer step)
-        assert row["torch_ops"] == ({"all_gather_into_tensor": 4 * layers,
-                                     "reduce_scatter_tensor": 4 * layers,
-                                     "all_reduce": 4 * layers} if row["sp"]
-                                    else {"all_reduce": 4 * layers}), row
-        assert row["sync_ops"] == ({"allreduce": 1} if row["sp"] else {})
-        assert row["sync_elements"] == (6 * d * layers if row["sp"] else 0)
+        # outside the blocks: the vocab-parallel embedding's output (forward) and the head's
+        # input (backward; under sequence parallel also its gather forward and the
+        # embedding's backward), and the vocab-parallel cross-entropy's two all-reduces
+        assert row["rest_ops"] == ({"allgather": 2, "reduce_scatter": 2, "allreduce": 2}
+                                   if row["sp"] else {"allreduce": 4}), row
+        # torch's whole step: the blocks' as ours, the embedding and head as ours, its
+        # loss_parallel's 3 all-reduces; under sequence parallel one all-gather more (the
+        # position embedding's gradient) and the LayerNorms' 2L+1 x 2 gradient all-reduces
+        assert row["torch_ops"] == ({"all_gather_into_tensor": 4 * layers + 3,
+                                     "reduce_scatter_tensor": 4 * layers + 2,
+                                     "all_reduce": 4 * layers + 5} if row["sp"]
+                                    else {"all_reduce": 4 * layers + 5}), row
+        # the partial gradients of what ran on sequence chunks (6h per block: 2 LayerNorms,
+        # 2 row-parallel biases; ln_f 2h; the position embedding s*h), summed over tp per
+        # unit of the dp flavour (each block, the root), each with its 'got a gradient' flags
+        assert row["sync_ops"] == ({"allreduce": 2 * (layers + 1)} if row["sp"] else {})
+        assert row["sync_elements"] == ((6 * layers + 2 + seq) * d if row["sp"] else 0)
         for check in (row["check_before"], row["check_after"]):
             for name in ("ours", "torch"):
                 assert abs(check[name] - check["single"]) < 1e-6, row
@@ -62,7 +71,7 @@ def test_bench_tp_table_bytes_and_check(tmp_path):
         assert row["torch_error"] == ""
         assert sorted(row["cpu_s"]) == ["ours", "single", "torch"]
         assert all(math.isfinite(v) and v > 0 for v in row["cpu_s"].values())
-    assert "sp on: + gradient all-reduce of the sequence-parallel parameters" in out
+    assert "sp on: + the optimizer step's gradient sync" in out
     assert out.count(": cpu ms/step (process time") == 2, out
 
 
@@ -80,45 +89,56 @@ def test_formula_and_ring_bytes():
         assert off["bytes"] == on["bytes"] == 3 * 8 * (tp - 1) * n // tp
 
 
-class _FakeComm:
-    rank, size = 0, 2
+def _fake_comm():
+    """A size-2 Communicator whose collectives copy locally: the flight recorder logs it."""
+    from hpctrain.runtime.comm.base import Communicator
 
-    def allreduce(self, t, op="sum"):
-        return t
+    def nothing(self, *args):
+        return None
 
-    def allgather(self, t, out=None):
-        return torch.cat([t, t])
+    def gather(self, t, out):
+        out.copy_(torch.cat([t, t]))
 
-    def reduce_scatter(self, t, out=None, op="sum"):
-        return t[: t.shape[0] // 2].clone()
+    def scatter(self, t, out, op):
+        out.copy_(t[: out.shape[0]])
+
+    hooks = {name: nothing for name in Communicator.__abstractmethods__}
+    hooks.update(_allgather=gather, _reduce_scatter=scatter, backend="fake", rank=0, size=2,
+                 device=torch.device("cpu"), name="faketp")
+    return type("FakeComm", (Communicator,), hooks)()
 
 
-def test_counting_comm_logs_ops_and_bytes():
-    from hpctrain.bench.tensor import CountingComm, _summary
+def test_summary_of_recorded_ops():
+    from hpctrain.bench.tensor import _recorded_since, summary
     from hpctrain.parallel.tensor.ops import gather_seq, reduce_from, reduce_scatter_seq
+    from hpctrain.runtime.flight import RECORDER, group_key
 
-    c = CountingComm(_FakeComm())
-    x = torch.randn(2, 4, 8)
-    reduce_from(x, c)
-    c.tag = "other"
+    c = _fake_comm()
+    c0 = RECORDER.count
+    reduce_from(torch.randn(2, 4, 8), c)
+    c1 = RECORDER.count
     y = gather_seq(torch.randn(2, 2, 8), c)
     reduce_scatter_seq(y, c)
-    assert c.log == [("act", "allreduce", 256), ("other", "allgather", 256),
-                     ("other", "reduce_scatter", 256)]
-    assert c.size == 2 and c.rank == 0  # everything else goes to the wrapped communicator
-    assert _summary(c.log, "act", 2) == {"ops": {"allreduce": 1}, "bytes": 256}
-    assert _summary(c.log, "other", 2) == {"ops": {"allgather": 1, "reduce_scatter": 1},
-                                           "bytes": 256}
+    ops = _recorded_since(c0, group_key(c))
+    assert [(i, e.op, e.nbytes) for i, e in ops] == [
+        (c0 + 1, "allreduce", 256), (c0 + 2, "allgather", 128), (c0 + 3, "reduce_scatter", 256)]
+    assert summary([e for i, e in ops if i <= c1], 2) == {"ops": {"allreduce": 1}, "bytes": 256,
+                                                          "elements": 64}
+    assert summary([e for i, e in ops if i > c1], 2) == {
+        "ops": {"allgather": 1, "reduce_scatter": 1}, "bytes": 256, "elements": 128}
 
 
-def test_torch_block_computes_the_gpt_block():
-    from hpctrain.bench.tensor import BlockStack, TorchBlock, TorchStack
+def test_interleave_qkv_gives_each_rank_whole_heads():
+    from hpctrain.bench.tensor import interleave_qkv
+    from hpctrain.models import registry
 
-    torch.manual_seed(0)
-    ours = BlockStack(2, 32, 4)
-    theirs = TorchStack([TorchBlock.from_gpt(b) for b in ours.blocks])
-    x = torch.randn(2, 8, 32)
-    torch.testing.assert_close(theirs(x), ours(x), rtol=1e-5, atol=1e-6)
+    model = registry.build("gpt", 0, d_model=32, heads=4, layers=2, n_samples=1).model
+    before = [b.attn.qkv.weight.detach().clone() for b in model.blocks]
+    interleave_qkv(model, 2)
+    for b, w in zip(model.blocks, before):
+        q, k, v = w.chunk(3)
+        for r, rows in enumerate(b.attn.qkv.weight.detach().chunk(2)):  # ColwiseParallel's cut
+            torch.testing.assert_close(rows, torch.cat([t.chunk(2)[r] for t in (q, k, v)]))
 
 
 def test_report_verdicts_and_missing_torch():
@@ -132,6 +152,7 @@ def test_report_verdicts_and_missing_torch():
                 "cpu_s": med,
                 "measured_bytes": 2048, "formula_bytes": 2048,
                 "measured_ops": {"allreduce": 4}, "formula_ops": {"allreduce": 4},
+                "rest_bytes": 64, "rest_ops": {"allreduce": 2},
                 "sync_bytes": 0, "sync_ops": {}, "sync_elements": 0, "torch_ops": {},
                 "torch_error": err, "check_before": check, "check_after": check,
                 "sgd_steps": 3}

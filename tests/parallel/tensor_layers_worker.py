@@ -35,7 +35,6 @@ from torch import nn
 from hpctrain.models.gpt import GPT, GPTBlock, lm_loss, tp_plan
 from hpctrain.parallel.placement import placement_of
 from hpctrain.parallel.sharding.engine import nbytes
-from hpctrain.bench.tensor import MeshWithTP
 from hpctrain.parallel.tensor import TensorOptions, prepare
 from hpctrain.parallel.tensor.loss import vocab_parallel_cross_entropy
 from hpctrain.parallel.tensor.ops import (copy_to, gather_seq, reduce_from, reduce_scatter_seq,
@@ -323,6 +322,20 @@ def gpt(mesh, sp, dropout):
 
 
 # -- 3. the collectives of one transformer block -------------------------------------------
+
+class MeshWithTP:
+    """The mesh with its tp communicator swapped for another (a Recording)."""
+
+    def __init__(self, mesh, tp):
+        self._mesh, self._tp = mesh, tp
+        self.coords = mesh.coords
+
+    def comm(self, dim):
+        return self._tp if dim == "tp" else self._mesh.comm(dim)
+
+    def size(self, dim):
+        return self._mesh.size(dim)
+
 
 class Recording:
     """The tp communicator, every method call logged as (name, whole elements, bytes on the
