@@ -8,6 +8,7 @@ import json
 from hpctrain.config import _toml_value
 from hpctrain.plan.candidates import overrides_of
 from hpctrain.plan.estimate import MEGATRON_FORMULA
+from hpctrain.units import human_bytes
 
 __all__ = ["command", "describe", "human", "recommend", "table", "to_json", "toml",
            "legend", "chart"]
@@ -25,11 +26,8 @@ _FLAGS = {("train", "model"): "--model", ("train", "strategy"): "--strategy",
 
 
 def human(n: float) -> str:
-    """Bytes in decimal units (GB = 1e9, as --memory-gb)."""
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
+    """Bytes in decimal units (GB = 1e9, as --memory-gb), two digits."""
+    return human_bytes(n, 2)
 
 
 def describe(e, checkpointing: bool) -> str:

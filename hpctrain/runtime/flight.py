@@ -42,6 +42,7 @@ from time import time as _time
 
 from hpctrain.runtime.abort import _context
 from hpctrain.runtime.timeline import TIMELINE
+from hpctrain.units import human_bytes
 
 __all__ = ["RECORDER", "FlightRecorder", "Entry", "group_key", "ranks_key", "members_of",
            "describe", "human_bytes", "IO_PREFIX"]
@@ -347,13 +348,6 @@ def describe(e: dict) -> str:
     step = f"step {e['step']} " if e.get("step") is not None else ""
     return f"{step}{where + ', ' if where else ''}{what}, {state}"
 
-
-def human_bytes(n: int) -> str:
-    """'8.0 MB', '12.0 kB', '64 B' (decimal units, as the issue's reports)."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
 
 
 #: The recorder of this process (one per rank; every communicator records into it).

@@ -15,8 +15,15 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["OPS", "SUPPORTED_DTYPES", "AllRequests", "CollectiveRequest", "Communicator",
+__all__ = ["OPS", "BLOCKING_OPS", "NONBLOCKING_OPS", "SUPPORTED_DTYPES", "AllRequests", "CollectiveRequest", "Communicator",
            "CompletedRequest", "NullCommunicator", "Request", "box_index", "wait_all"]
+
+#: The Communicator's operations (the flight recorder wraps each one): blocking ones end
+#: when the call returns, non-blocking ones when their request completes.
+BLOCKING_OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall", "barrier",
+                "allreduce_scalars", "send", "recv", "split")
+NONBLOCKING_OPS = ("iallreduce", "iallgather", "ireduce_scatter", "isend", "irecv",
+                   "p2p_group", "isend_boxes", "irecv_boxes")
 
 #: Reduction op names accepted by ``allreduce``, ``reduce_scatter`` and ``allreduce_scalars``.
 OPS = ("sum", "avg", "max", "min", "prod")
@@ -608,10 +615,7 @@ def _not_member(name: str):
 
 
 # Public methods and backend hooks alike raise on a NullCommunicator.
-for _name in ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall", "barrier",
-              "iallreduce", "iallgather", "ireduce_scatter", "allreduce_scalars", "send", "recv",
-              "isend", "irecv", "p2p_group", "isend_boxes", "irecv_boxes", "boxes_exchange",
-              "split"):
+for _name in BLOCKING_OPS + NONBLOCKING_OPS + ("boxes_exchange",):
     setattr(NullCommunicator, _name, _not_member(_name))
     setattr(NullCommunicator, "_" + _name, _not_member(_name))
 update_abstractmethods(NullCommunicator)

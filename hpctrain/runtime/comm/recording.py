@@ -10,17 +10,11 @@ module's globals at each call (tests swap it).
 
 from __future__ import annotations
 
-from hpctrain.runtime.comm.base import Communicator, Request
+from hpctrain.runtime.comm.base import BLOCKING_OPS, NONBLOCKING_OPS, Communicator, Request
 from hpctrain.runtime.flight import RECORDER as _RECORDER, group_key
 
 __all__ = ["BLOCKING_OPS", "NONBLOCKING_OPS", "install"]
 
-#: The recorded operations: blocking ones end when the call returns, non-blocking ones when
-#: their request completes.
-BLOCKING_OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall", "barrier",
-                "allreduce_scalars", "send", "recv", "split")
-NONBLOCKING_OPS = ("iallreduce", "iallgather", "ireduce_scatter", "isend", "irecv",
-                   "p2p_group", "isend_boxes", "irecv_boxes")
 
 
 class _RecordedRequest(Request):
