@@ -8,7 +8,7 @@ import os
 import sys
 
 from hpctrain.version import __version__
-from hpctrain.config import BUILTIN_MODELS, STRATEGIES, ConfigError, load_config, parse_assignment
+from hpctrain.config import ConfigError, load_config, parse_assignment
 from hpctrain.errors import NONFINITE_EXIT_CODE, UsageError, UserInputError
 from hpctrain.bench.gpu.common import PARTS as GPU_PARTS
 
@@ -47,67 +47,75 @@ def _scalar(text: str):
     return text
 
 
+# flag -> (section, key[, type]): the help and the type are the config field's own
+# (config.py), so the flags and the TOML keys are described once.
 TRAIN_FLAGS = {
-    "strategy": ("train", "strategy", str, f"parallel strategy: {', '.join(STRATEGIES)}"),
-    "model": ("train", "model", str,
-              f"built-in model ({', '.join(BUILTIN_MODELS)}) or package.module:factory"),
-    "steps": ("train", "steps", int, "optimizer steps"),
-    "global_batch_size": ("train", "global_batch_size", int, "samples per step over all ranks"),
-    "lr": ("train", "lr", float, "learning rate"),
-    "optimizer": ("train", "optimizer", str, "any torch.optim optimizer by name (adamw, sgd, "
-                  "Adagrad, ...; options: --set train.optimizer_options.KEY=VALUE) or "
-                  "package.module:callable"),
-    "lr_schedule": ("train", "lr_schedule", str, "constant, warmup_cosine or a "
-                    "torch.optim.lr_scheduler class (StepLR, ...)"),
-    "weight_decay": ("train", "weight_decay", float, "weight decay"),
-    "seed": ("train", "seed", int, "seed for weights and data"),
-    "precision": ("train", "precision", str, "fp32, bf16 or fp16"),
-    "grad_accum": ("train", "grad_accum", int, "micro-batches per optimizer step"),
-    "max_grad_norm": ("train", "max_grad_norm", float, "clip to this global gradient norm"),
-    "loss_weight": ("train", "loss_weight", str, "samples (default) or tokens: the loss is a "
-                    "mean over the target elements other than train.ignore_index (padding), "
-                    "exact at any world size"),
-    "nonfinite": ("train", "nonfinite", str, f"a non-finite loss or gradient norm: stop (exit "
-                  f"code {NONFINITE_EXIT_CODE}), skip (at most train.nonfinite_max_skips "
-                  f"steps in a row) or ignore"),
-    "summary": ("train", "summary", str, "write a JSON summary here (rank 0)"),
-    "out_dir": ("train", "out_dir", str, "directory for metrics.csv"),
-    "run_name": ("train", "run_name", str, "write this run's files to OUT_DIR/NAME ('auto': "
-                 "timestamp and plan name)"),
-    "trace": ("train", "trace_dir", str, "write a Chrome/Perfetto timeline of every rank "
-              "(DIR/trace.json)"),
-    "progress": ("train", "progress", str, "progress bar: auto, on, off"),
-    "log_every": ("train", "log_every", int, "log every N steps without a progress bar"),
-    "mesh": ("runtime", "mesh", str, "mesh degrees, e.g. pp=2,dp=2 or dom=2,dp=2 (composes "
-             "with the dp flavour)"),
-    "dp_flavour": ("runtime", "dp_flavour", str, "data-parallel flavour over the mesh's dp "
-                   "replicas: ddp, zero1, zero2, zero3 or fsdp"),
-    "ranks_per_node": ("runtime", "ranks_per_node", _ranks_per_node,
-                       "pretend N ranks per node (default: detect the nodes)"),
-    "device": ("runtime", "device", str, "auto, cpu or cuda"),
-    "collective_timeout_s": ("runtime", "collective_timeout_s", float, "end the job with a "
-                             "stall report when a communication op is pending this long (0: off)"),
-    "checkpoint_dir": ("checkpoint", "dir", str, "write checkpoints to this directory"),
-    "checkpoint_every": ("checkpoint", "every", int, "checkpoint every N steps"),
-    "keep": ("checkpoint", "keep", int, "keep the newest K checkpoints (0: all)"),
-    "resume": ("checkpoint", "resume", str, "auto (newest in --checkpoint-dir) or a ckpt file"),
-    "requeue": ("checkpoint", "requeue", str, "after a pre-emption checkpoint: auto (scontrol "
-                "requeue under SLURM) or off"),
-    "fusion_threshold_mb": ("ddp", "fusion_threshold_mb", float, "Horovod tensor fusion MB"),
-    "sharding_strategy": ("fsdp", "sharding_strategy", str,
-                          "fsdp: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD"),
-    "auto_wrap_policy": ("fsdp", "auto_wrap_policy", str, "fsdp units: blocks, class, size, none"),
+    "strategy": ("train", "strategy"),
+    "model": ("train", "model"),
+    "steps": ("train", "steps"),
+    "global_batch_size": ("train", "global_batch_size"),
+    "lr": ("train", "lr"),
+    "optimizer": ("train", "optimizer"),
+    "lr_schedule": ("train", "lr_schedule"),
+    "weight_decay": ("train", "weight_decay"),
+    "seed": ("train", "seed"),
+    "precision": ("train", "precision"),
+    "grad_accum": ("train", "grad_accum"),
+    "max_grad_norm": ("train", "max_grad_norm"),
+    "loss_weight": ("train", "loss_weight"),
+    "nonfinite": ("train", "nonfinite"),
+    "summary": ("train", "summary"),
+    "out_dir": ("train", "out_dir"),
+    "run_name": ("train", "run_name"),
+    "trace": ("train", "trace_dir"),
+    "progress": ("train", "progress"),
+    "log_every": ("train", "log_every"),
+    "mesh": ("runtime", "mesh"),
+    "dp_flavour": ("runtime", "dp_flavour"),
+    "ranks_per_node": ("runtime", "ranks_per_node", _ranks_per_node),
+    "device": ("runtime", "device"),
+    "collective_timeout_s": ("runtime", "collective_timeout_s"),
+    "checkpoint_dir": ("checkpoint", "dir"),
+    "checkpoint_every": ("checkpoint", "every"),
+    "keep": ("checkpoint", "keep"),
+    "resume": ("checkpoint", "resume"),
+    "requeue": ("checkpoint", "requeue"),
+    "fusion_threshold_mb": ("ddp", "fusion_threshold_mb"),
+    "sharding_strategy": ("fsdp", "sharding_strategy"),
+    "auto_wrap_policy": ("fsdp", "auto_wrap_policy"),
     # [zero] or [fsdp], whichever the plan's dp flavour reads (_sharded_overrides)
-    "reduce_bucket_size": (SHARDED, "reduce_bucket_size", _scalar, "zero2/zero3/fsdp: bytes of "
-                           "gradient-reduction buffers alive at once (default 16777216; the "
-                           "MPI backend stages up to as much again)"),
-    "allgather_bucket_size": ("fsdp", "allgather_bucket_size", _scalar, "fsdp: prefetch the "
-                              "next unit in backward only when it fits in this many bytes"),
+    "reduce_bucket_size": (SHARDED, "reduce_bucket_size", _scalar),
+    "allgather_bucket_size": ("fsdp", "allgather_bucket_size", _scalar),
 }
 BOOL_FLAGS = {
-    "activation_checkpointing": ("train", "activation_checkpointing", "recompute activations"),
-    "fp16_compression": ("ddp", "fp16_compression", "fp16 gradient compression (ddp)"),
+    "activation_checkpointing": ("train", "activation_checkpointing"),
+    "fp16_compression": ("ddp", "fp16_compression"),
 }
+
+
+def _field(section: str, key: str):
+    """The config field behind a flag (a SHARDED flag: [zero]'s, which [fsdp] shares)."""
+    import dataclasses
+
+    from hpctrain.config import Config
+
+    holder = getattr(Config(), "zero" if section == SHARDED else section)
+    return next(f for f in dataclasses.fields(holder) if f.name == key)
+
+
+def _flag_help(section: str, key: str) -> str:
+    f = _field(section, key)
+    where = "zero or fsdp" if section == SHARDED else section
+    text = f.metadata["help"].replace("%", "%%")
+    choices = f.metadata.get("choices")
+    if choices and "," not in text:  # a help that lists them already is left alone
+        text += ": " + ", ".join(c for c in choices if c)
+    return f"{text} ({where}.{key})"
+
+
+def _flag_type(section: str, key: str):
+    return {"int": int, "float": float, "str": str}[_field(section, key).type]
+
 
 TRAIN_EPILOG = f"""exit codes: 0 trained; 1 an error while training (the message says which);
 2 a bad flag, config, environment variable, launch or model for the plan, or an out or
@@ -124,11 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a model (default: gpt, single process)",
                        epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("--config", metavar="FILE.toml", help="TOML config; flags override it")
-    for name, (_, _, tp, help_) in TRAIN_FLAGS.items():
-        t.add_argument("--" + name.replace("_", "-"), dest=name, type=tp, help=help_)
-    for name, (_, _, help_) in BOOL_FLAGS.items():
+    for name, (section, key, *tp) in TRAIN_FLAGS.items():
+        t.add_argument("--" + name.replace("_", "-"), dest=name,
+                       type=tp[0] if tp else _flag_type(section, key),
+                       help=_flag_help(section, key))
+    for name, (section, key) in BOOL_FLAGS.items():
         t.add_argument("--" + name.replace("_", "-"), dest=name, action="store_true", default=None,
-                       help=help_)
+                       help=_flag_help(section, key))
     t.add_argument("--set", dest="assignments", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override any config key, e.g. --set ddp.cycle_time_ms=2")
     t.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
@@ -389,7 +399,7 @@ def _overrides(args) -> list[dict]:
 def _sharded_overrides(args, cfg, size: int) -> list[dict]:
     """The flags of the sharded flavour's table ([zero] for zero1-3, [fsdp] for fsdp),
     which the plan's dp flavour names; ConfigError for a plan without one."""
-    from hpctrain.parallel.plan import FLAVOUR_TABLES
+    from hpctrain.parallel import registry
 
     out = []
     for name, (section, key, *_rest) in TRAIN_FLAGS.items():
@@ -397,12 +407,11 @@ def _sharded_overrides(args, cfg, size: int) -> list[dict]:
         if section != SHARDED or value is None:
             continue
         flavour = cfg.plan(size).flavour
-        table = FLAVOUR_TABLES.get(flavour)
-        if table not in ("zero", "fsdp"):
+        if flavour not in registry.SHARDED_FLAVOURS:
             raise ConfigError(f"--{name.replace('_', '-')} {value} sizes the gradient reduction "
                               f"of zero1-3 and fsdp, but the plan's dp flavour is {flavour!r}; "
                               f"drop the flag or use --strategy zero2, zero3 or fsdp")
-        out.append({table: {key: value}})
+        out.append({registry.flavour(flavour).table: {key: value}})
     return out
 
 
@@ -433,7 +442,7 @@ def _prepare(args, launch):
         sharded = _sharded_overrides(args, cfg, size)
         if sharded:
             cfg = load_config(args.config, _overrides(args) + sharded)
-        cfg = cfg.validate(size)
+        plan = cfg.check(size)  # the plan, built once
     except ConfigError as exc:
         return _fail(rank, str(exc))
     if args.print_config:
@@ -449,7 +458,7 @@ def _prepare(args, launch):
     from hpctrain.train.trainer import build_model
 
     try:
-        built = build_model(cfg, size)  # imports a user's factory: fail here, before MPI starts
+        built = build_model(cfg, plan=plan)  # imports a user's factory: fail here, before MPI starts
     except ConfigError as exc:  # train.model_options
         return _fail(rank, str(exc))
     except (ValueError, TypeError, ImportError) as exc:
@@ -461,36 +470,13 @@ def _prepare(args, launch):
         check_dataset(cfg, len(built.dataset))
     except ConfigError as exc:
         return _fail(rank, str(exc))
-    plan = cfg.plan(size)
-    from hpctrain.train.dropout import check_dropout
-    from hpctrain.train.loss_count import check_loss_count
-    from hpctrain.train.weighting import LossWeighting
+    from hpctrain.train.checked import check_run
 
-    try:  # dropout a tensor or pipeline plan cannot give one process's masks; a loss whose
-        # count the tokens weighting cannot tell
-        check_dropout(plan, built.model, built.dataset, cfg.train.per_rank_dropout)
-        check_loss_count(LossWeighting(cfg.train.loss_weight, cfg.train.ignore_index),
-                         built.model, built.dataset, built.loss_fn)
-    except UsageError as exc:
+    try:  # every check of the model against the plan
+        checked = check_run(cfg, plan, built)
+    except (UsageError, ValueError) as exc:
         return _fail(rank, str(exc))
-    if plan.tensor:  # the split the plan asks of this model, and its loss
-        from hpctrain.parallel.tensor import check as check_tensor
-        from hpctrain.train.strategy import plan_options
-
-        try:
-            check_tensor(built.model, plan_options(cfg, plan.flavour)["tensor"], plan.tp,
-                         built.loss_fn, plan.flavour, plan.dp)
-        except ValueError as exc:
-            return _fail(rank, str(exc))
-    if plan.domain:  # every op of the forward on two whole samples: made exact or refused
-        from hpctrain.data.sampler import collate
-        from hpctrain.parallel.domain.functional import check as check_domain
-
-        try:
-            check_domain(built.model, collate(built.dataset, range(min(2, len(built.dataset))))[0])
-        except ValueError as exc:
-            return _fail(rank, str(exc))
-    return cfg, built
+    return cfg, built, checked
 
 
 def cmd_train(args) -> int:
@@ -507,7 +493,7 @@ def cmd_train(args) -> int:
     prepared = _prepare(args, launch)
     if isinstance(prepared, int):
         return prepared
-    cfg, built = prepared
+    cfg, built, checked = prepared
     from hpctrain.checkpoint import CheckpointError
     from hpctrain.runtime.abort import fail_together
     from hpctrain.runtime.world import init_world
@@ -520,7 +506,8 @@ def cmd_train(args) -> int:
     except UsageError as exc:
         # srun without PMI: each process is alone in its MPI world, so each one says it.
         return fail_together(str(exc), code=2)
-    trainer = Trainer(cfg, world=world, built=built, force_unlock=args.force_unlock)
+    trainer = Trainer(cfg, world=world, built=built, checked=checked,
+                      force_unlock=args.force_unlock)
     try:
         trainer.setup()
     except UserInputError as exc:

@@ -13,23 +13,22 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from hpctrain.errors import NONFINITE_EXIT_CODE, ConfigError
+from hpctrain.parallel import registry
 
 __all__ = [
     "ConfigError", "TrainSection", "DDPSection", "ZeroSection", "FSDPSection", "PipelineSection",
     "DomainSection", "RuntimeSection", "CheckpointSection", "Config",
-    "load_config", "parse_assignment", "STRATEGIES", "BUILTIN_MODELS", "STRATEGY_SECTIONS",
+    "load_config", "parse_assignment", "STRATEGIES", "BUILTIN_MODELS",
     "OPTIMIZERS", "PRECISIONS",
 ]
 
 # models/registry.py BUILTIN: the same (kept here so `--help` and validation need no torch).
 BUILTIN_MODELS = ("gpt", "mlp", "unet")
-STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "pipeline", "domain",
-              "tensor")
-DP_FLAVOURS = ("ddp", "zero1", "zero2", "zero3", "fsdp")  # parallel/plan.py FLAVOURS: the same
+STRATEGIES = registry.STRATEGIES
+DP_FLAVOURS = registry.FLAVOUR_NAMES
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 PIPELINE_BALANCE = ("param-count", "measured")
 PIPELINE_P2P = ("auto", "eager", "ordered")  # parallel/pipeline/p2p.py P2P_MODES: the same
-PIPELINE_DP_SHARDING = ("ddp", "zero1", "zero2", "zero3", "fsdp")  # = DP_FLAVOURS
 # fsdp choices (kept here so validation needs no torch import; parallel/fsdp.py checks the same).
 FSDP_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 FSDP_WRAP = ("blocks", "class", "size", "none")
@@ -45,14 +44,6 @@ NONFINITE_MODES = ("stop", "skip", "ignore")  # train/nonfinite.py: what the gua
 PROGRESS = ("auto", "on", "off")
 DEVICES = ("auto", "cpu", "cuda")
 
-
-# The option tables each strategy reads; a changed value in any other one would be ignored.
-STRATEGY_SECTIONS = {
-    "single": (), "ddp": ("ddp",), "zero1": ("zero",), "zero2": ("zero",), "zero3": ("zero",),
-    "fsdp": ("fsdp",), "pipeline": ("pipeline",), "domain": ("domain", "ddp"),
-    "tensor": ("tensor",),
-}
-STRATEGY_TABLES = ("ddp", "zero", "fsdp", "pipeline", "domain", "tensor")
 
 
 def _f(default, help, *, choices=None, min=None, max=None, default_factory=None):
@@ -189,7 +180,7 @@ class PipelineSection:
     dp_sharding: str = _f("ddp", "the dp flavour over each stage's replicas (as "
                           "--dp-flavour): all-reduced (ddp), optimizer state (zero1), + "
                           "gradients (zero2), + parameters (zero3) sharded, or fsdp",
-                          choices=PIPELINE_DP_SHARDING)
+                          choices=DP_FLAVOURS)
     p2p: str = _f("auto", "how stages post messages: eager (non-blocking sends, MPI tags; CPU) "
                   "or ordered (grouped send/recv matched by order, as NCCL needs; on MPI the "
                   "sends are synchronous, so a CPU run proves the order safe); auto: ordered "
@@ -287,6 +278,11 @@ class Config:
 
     def validate(self, world_size: int = 1) -> "Config":
         """Check every field and the cross-field rules; raise ConfigError naming the key."""
+        self.check(world_size)
+        return self
+
+    def check(self, world_size: int):
+        """``validate``, returning the ParallelPlan it built (once) on the way."""
         for sname, section in self.sections().items():
             for f in dataclasses.fields(section):
                 _check_field(f"{sname}.{f.name}", getattr(section, f.name), f)
@@ -331,9 +327,9 @@ class Config:
             raise ConfigError(f"runtime.ranks_per_node = {rpn}: the {world_size} ranks launched "
                               f"are not divisible by it; launch a multiple of {rpn} ranks or "
                               f"change --ranks-per-node")
-        if plan.flavour in ("fsdp", "zero1", "zero2", "zero3") and not plan.pipeline:  # units
-            self._validate_wrap("fsdp" if plan.flavour == "fsdp" else "zero")
-        return self
+        if plan.flavour in registry.SHARDED_FLAVOURS and not plan.pipeline:  # units
+            self._validate_wrap(registry.flavour(plan.flavour).table)
+        return plan
 
     def plan(self, world_size: int):
         """The ParallelPlan of this config at world_size (ConfigError if it cannot run)."""
@@ -346,31 +342,20 @@ class Config:
             raise ConfigError(str(exc)) from None
 
     def tables_read(self, plan) -> tuple:
-        """The strategy option tables the plan reads (the pipeline's stages carry their own
-        dp flavour, without options)."""
-        from hpctrain.parallel.plan import FLAVOUR_TABLES
-
-        if plan.name == "single":
-            return ()
-        tensor = ("tensor",) if plan.tensor else ()
-        # Under pipeline stages or tensor parallel the ddp flavour is the sharding engine's
-        # all-reduce, without [ddp] options.
-        if plan.pipeline or plan.tensor:
-            return (("pipeline",) if plan.pipeline else ()) + tensor + (
-                (FLAVOUR_TABLES[plan.flavour],) if plan.flavour != "ddp" else ())
-        return (("domain",) if plan.domain else ()) + (FLAVOUR_TABLES[plan.flavour],)
+        """The strategy option tables the plan reads (registry.tables_read)."""
+        return registry.tables_read(plan)
 
     def _validate_tables_used(self, plan) -> None:
         """Refuse a changed option of a table the plan never reads (it would do nothing)."""
         used = self.tables_read(plan)
-        for sname in STRATEGY_TABLES:
+        for sname in registry.TABLES:
             if sname in used:
                 continue
             section, default = getattr(self, sname), type(getattr(self, sname))()
             for f in dataclasses.fields(section):
                 value = getattr(section, f.name)
                 if value != getattr(default, f.name):
-                    users = [s for s, tables in STRATEGY_SECTIONS.items() if sname in tables]
+                    users = registry.strategies_reading(sname)
                     raise ConfigError(
                         f"{sname}.{f.name} = {value!r} is set, but train.strategy = "
                         f"{self.train.strategy!r} (plan {plan.name}) does not read [{sname}] "

@@ -135,7 +135,7 @@ def _domain_step(world, model, x, y, overlap, dom):
     plan = build_plan("domain", f"dom={dom}", world.size)
     par = parallelize(plan, copy.deepcopy(model), lambda ps: torch.optim.AdamW(ps, lr=1e-4),
                       world, {"domain": DomainOptions(overlap=overlap)})
-    executor = par._executor
+    executor = par.executor
     glob = tuple(x.shape[-2:])
     xs, ys = executor.crop(x, glob), executor.crop(y, glob)
     executor.set_global_shapes(glob, glob)

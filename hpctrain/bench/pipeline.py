@@ -126,22 +126,22 @@ def _hpctrain(sub, schedule, p, m, v, make_model, width, micro, steps, warmup, w
     prec = Precision("fp32", torch.device("cpu"))
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(m * micro, width, generator=g), torch.randn(m * micro, width, generator=g)
-    links = par.engine.links
+    links = par.executor.engine.links
     got = {w: ([], [], [], []) for w in waits}  # bubbles, overheads, step times, traces
     for step in range(warmup + steps * len(waits)):
         links.wait = waits[step % len(waits)]
-        par.engine.trace = []
+        par.executor.engine.trace = []
         links.recv_wait = 0.0
         sub.host.barrier()
         t0 = time.perf_counter()
         par.forward_backward([(x, y, 1.0)], loss, prec)
-        busy = sum(e - s for *_, s, e in par.engine.trace)
-        end = par.engine.trace[-1][4] - t0
+        busy = sum(e - s for *_, s, e in par.executor.engine.trace)
+        end = par.executor.engine.trace[-1][4] - t0
         span = sub.host.allreduce_scalars([end], op="max")[0]
         idle = links.recv_wait + (span - end)
         # every compute interval of every rank, for the simulator on rank 0
         mine = torch.tensor([[a == "B", mb, sched_.stage_of(sub.rank, c, p), s - t0, e - t0]
-                             for a, mb, c, s, e in par.engine.trace], dtype=torch.float64)
+                             for a, mb, c, s, e in par.executor.engine.trace], dtype=torch.float64)
         trace = sub.host.allgather(mine)
         par.step()
         dt = sub.host.allreduce_scalars([time.perf_counter() - t0], op="max")[0]

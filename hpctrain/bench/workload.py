@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from hpctrain.parallel.base import Parallelized
+from hpctrain.parallel import registry
 
 __all__ = ["ENTRIES", "STRATEGIES", "Entry", "Stack", "formula_bytes", "layers_for", "measure",
            "resolve"]
@@ -206,7 +207,7 @@ def _pipelined(flavour: str):
 def train_step(par, x) -> None:
     """One step on batch x (loss: mean square of the output) through the object's own path:
     a plan with a pipeline runs its schedule (forward_backward), the others backward()."""
-    if getattr(par, "_executor", None) is not None:
+    if getattr(par, "executor", None) is not None:
         from hpctrain.train.precision import Precision
 
         par.forward_backward([(x, x, 1.0)], lambda out, _y: out.square().mean(),
@@ -240,6 +241,16 @@ def _ours(strategy: str, options=None):
 # Bucket sizes for the sharded entries' options ({"reduce_bucket_size": ..., ...}), set by
 # ``measure`` from its arguments (empty: the options' defaults).
 _BUCKETS: dict = {}
+
+
+def _flavour_options(f):
+    """The flavour's options as its config section's defaults make them, with the bench's
+    bucket sizes (None for ddp: its defaults)."""
+    if f.stage is not None:
+        return _zero_options(f.stage)
+    if f.table == "fsdp":
+        return _fsdp_options("FULL_SHARD")
+    return None
 
 
 def _fsdp_options(sharding: str):
@@ -287,11 +298,10 @@ def _entries() -> dict:
     out = [
         Entry("single", _ours("single"), "replicated", "single", ranks="one"),
         Entry("nocomm", _no_comm, "replicated", "floor"),
-        Entry("ddp", _ours("ddp"), "replicated", "dp", prepare=_start_horovod),
-        Entry("zero1", _ours("zero1", _zero_options(1)), "zero1", "dp"),
-        Entry("zero2", _ours("zero2", _zero_options(2)), "zero2", "dp"),
-        Entry("zero3", _ours("zero3", _zero_options(3)), "sharded", "dp"),
-        Entry("fsdp", _ours("fsdp", _fsdp_options("FULL_SHARD")), "sharded", "dp"),
+        # every data-parallel flavour of the registry, as its config defaults build it
+        *(Entry(f.name, _ours(f.name, _flavour_options(f)), f.memory, "dp",
+                **({"prepare": _start_horovod} if f.name == "ddp" else {}))
+          for f in registry.FLAVOURS),
         Entry("fsdp:SHARD_GRAD_OP", _ours("fsdp", _fsdp_options("SHARD_GRAD_OP")), "zero2", "dp"),
         Entry("fsdp:NO_SHARD", _ours("fsdp", _fsdp_options("NO_SHARD")), "replicated", "dp"),
         Entry("fsdp2", _FSDP2, "sharded", "torch", **gloo),

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,7 +20,7 @@ from hpctrain.checkpoint.reader import CheckpointError, Reader, raise_agreed
 from hpctrain.checkpoint.writer import SaveSteps
 from hpctrain.version import __version__
 
-__all__ = ["save_checkpoint", "load_checkpoint", "load_model_state", "read_model_state",
+__all__ = ["RunState", "save_checkpoint", "load_checkpoint", "load_model_state", "read_model_state",
            "write_entries", "attr_problems", "FORMAT", "MODEL_FORMAT"]
 
 FORMAT = "hpctrain-checkpoint-1"
@@ -32,6 +34,22 @@ _REQUIRED = {
 }
 _MIN_INT = {"step": 0, "world_size": 1, "source_world_size": 1}
 _RUN_DATASETS = ("rng/torch_cpu", "train/losses")  # written by every save_checkpoint
+
+
+@dataclass
+class RunState:
+    """What a checkpoint holds of a run besides its step: the parallelized model and
+    optimizer (``par``: writes and reads its own entries), the world it runs on, the data
+    position, the losses so far, the fp16 loss scaler and the lr schedule (None: none), and
+    the config (stored as TOML for ``ckpt inspect``; not needed to load)."""
+
+    par: Any
+    world: Any
+    sampler: Any
+    losses: list = field(default_factory=list)
+    scaler: Any = None
+    schedule: Any = None
+    cfg: Any = None
 
 
 def attr_problems(reader: Reader, formats=(FORMAT,)) -> list[str]:
@@ -103,11 +121,10 @@ def _after_save(directory: str, final: str, keep: int) -> None:
               flush=True)
 
 
-def save_checkpoint(directory: str, step: int, par, world, cfg, sampler, losses, scaler=None,
-                    keep: int = 0, schedule=None) -> str:
-    """Write DIR/ckpt-STEP.h5 (collective over the world); keep the newest keep; return the path.
-
-    ``schedule``: the lr schedule (train/schedule.py), its state_dict stored as JSON."""
+def save_checkpoint(directory: str, step: int, run: RunState, keep: int = 0) -> str:
+    """Write DIR/ckpt-STEP.h5 of ``run`` (collective over the world); keep the newest keep;
+    return the path. The lr schedule's and the scaler's state_dicts are stored as JSON."""
+    par, world, sampler, scaler, schedule = run.par, run.world, run.sampler, run.scaler, run.schedule
     steps = SaveSteps(world.mpi_comm, 0)  # the watchdog sees these steps too
     with steps, steps("dir"):
         _agree_dir(directory, world.mpi_comm)
@@ -117,12 +134,12 @@ def save_checkpoint(directory: str, step: int, par, world, cfg, sampler, losses,
             "lr_schedule": schedule.state_dict() if schedule is not None else {},
             **par.state_meta()}
     attrs = {
-        "format": FORMAT, "step": np.int64(step), "config_toml": cfg.to_toml(),
+        "format": FORMAT, "step": np.int64(step), "config_toml": run.cfg.to_toml(),
         "world_size": np.int64(world.size), "strategy": par.name,
         "hpctrain_version": __version__, "torch_version": str(torch.__version__),
         JSON_ATTRS: json.dumps(sorted(meta)), **{k: json.dumps(v) for k, v in meta.items()},
     }
-    entries = par.state_entries() + _run_entries(world, sampler, losses)
+    entries = par.state_entries() + _run_entries(world, sampler, run.losses)
     write_entries(final, entries, attrs, world.mpi_comm)
     with steps, steps("prune"):
         if world.rank == 0:
@@ -157,11 +174,12 @@ def _restore_json(reader: Reader, key: str, load) -> None:
                               f"older checkpoint") from None
 
 
-def load_checkpoint(path: str, par, world, sampler, scaler=None,
-                    schedule=None) -> tuple[int, list[float]]:
-    """Restore everything saved by save_checkpoint; return (step, losses). Collective.
+def load_checkpoint(path: str, run: RunState) -> tuple[int, list[float]]:
+    """Restore everything saved by save_checkpoint into ``run`` (its losses are not
+    touched); return (step, losses). Collective.
 
     A checkpoint written before schedules were saved loads as one of the constant schedule."""
+    par, world, sampler, scaler, schedule = run.par, run.world, run.sampler, run.scaler, run.schedule
     comm = world.mpi_comm
     with _open_everywhere(path, comm) as reader:
         if not reader.sealed and world.rank == 0:

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 __all__ = ["STRATEGIES", "wrap", "Parallelized", "OptimizerFactory"]
 
-#: The shorthand strategy names wrap() takes. zero1-3: one transform, three presets
-#: (zero.options_for fills in or checks the stage); pipeline takes a LayerStack
-#: (models.registry.build_layers) or an nn.Sequential; tensor: TensorOptions, else the
-#: model's tp_plan.
-STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "pipeline", "domain", "fsdp", "tensor")
-
 
 def __getattr__(name):
     # Lazy: parallel.plan must import without torch (config checks run before it loads).
+    if name == "STRATEGIES":
+        # The shorthand strategy names wrap() takes (the registry's). zero1-3: one
+        # transform, three presets (zero.options_for fills in or checks the stage); pipeline
+        # takes a LayerStack (models.registry.build_layers) or an nn.Sequential; tensor:
+        # TensorOptions, else the model's tp_plan.
+        from hpctrain.parallel.registry import STRATEGIES
+
+        return STRATEGIES
     if name in ("Parallelized", "OptimizerFactory"):
         from hpctrain.parallel import base
 
@@ -32,15 +34,19 @@ def wrap(strategy: str, model, make_optimizer, world, options=None, mesh: str = 
     composed one) to model and optimizer through the orchestrator (collective over the
     world). ``options`` is the strategy's own options object (ZeroOptions, PipelineOptions,
     ...); a zero stage contradicting the name is a ValueError before any collective."""
+    import importlib
+
+    from hpctrain.parallel import registry
     from hpctrain.parallel.orchestrator import parallelize
-    from hpctrain.parallel.plan import STRATEGY_TABLE, build_plan
+    from hpctrain.parallel.plan import build_plan
 
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
-    if strategy in ("zero1", "zero2", "zero3"):
-        from hpctrain.parallel.zero import options_for
-
-        options = options_for(strategy, options)  # before the world is touched
+    if strategy not in registry.STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; expected one of "
+                         f"{', '.join(registry.STRATEGIES)}")
+    if strategy in registry.FLAVOUR_NAMES:  # a preset's options checked before the world is touched
+        module = importlib.import_module(registry.flavour(strategy).module)
+        if hasattr(module, "options_for"):
+            options = module.options_for(strategy, options)
     if strategy == "single" and world is not None and world.size > 1:
         from hpctrain.parallel import single
 
@@ -50,5 +56,5 @@ def wrap(strategy: str, model, make_optimizer, world, options=None, mesh: str = 
         pipeline_mesh = pipeline_mesh.describe()
     plan = build_plan(strategy, mesh or pipeline_mesh, world.size, dp_flavour,
                       getattr(options, "dp_sharding", "ddp") if strategy == "pipeline" else "ddp")
-    table = STRATEGY_TABLE.get(strategy)
+    table = registry.STRATEGY_TABLE.get(strategy)
     return parallelize(plan, model, make_optimizer, world, {table: options} if table else {})

@@ -19,42 +19,88 @@ import importlib
 from hpctrain.errors import UsageError
 from hpctrain.models.layers import LayerStack
 from hpctrain.parallel.base import DPGroups
+from hpctrain.parallel.executor import Executor
 from hpctrain.parallel.deferred import Materializer, has_placeholders, materialize, placeholders
-from hpctrain.parallel.plan import FLAVOUR_TABLES, ParallelPlan
+from hpctrain.parallel import registry
+from hpctrain.parallel.plan import ParallelPlan
 
-__all__ = ["parallelize", "defer_init", "has_deferred", "Composed", "FLAVOUR_MODULES"]
-
-FLAVOUR_MODULES = {"ddp": "hpctrain.parallel.ddp", "zero1": "hpctrain.parallel.zero",
-                   "zero2": "hpctrain.parallel.zero", "zero3": "hpctrain.parallel.zero",
-                   "fsdp": "hpctrain.parallel.fsdp"}
+__all__ = ["parallelize", "defer_init", "has_deferred", "Composed"]
 
 
 class Composed:
     """A data-parallel flavour's model (gradients, step, norms, optimizer) run by a
-    model-parallel executor (forward/backward, which samples and which part of each sample
-    this rank reads; for the pipeline also the whole-model checkpoint naming). Every other
-    attribute is the flavour's, then the executor's."""
+    model-parallel Executor (executor.py: forward/backward, which samples and which part of
+    each this rank reads; for the pipeline also the whole model's checkpoint naming).
 
-    def __init__(self, inner, executor, name: str, tensor=None):
-        self._inner = inner
-        self._executor = executor
+    It offers what the trainer and the checkpoint package call on a Parallelized, each
+    member said here: the flavour's for the model's state and its step, the executor's for
+    running the step. ``flavour`` and ``executor`` are the two parts."""
+
+    def __init__(self, flavour, executor, name: str, tensor=None):
+        if not isinstance(executor, Executor):
+            raise TypeError(f"{type(executor).__name__} is not an Executor (parallel/"
+                            f"executor.py): it lacks one of forward_backward, forward_loss, "
+                            f"data_shard, load_batch")
+        self.flavour = flavour
+        self.executor = executor
         self._tensor = tensor  # the tensor-parallel split (its loss, its whole tensors)
         self.name = name
 
-    _OWN = ("_inner", "_executor", "_tensor", "name")
+    # --- the flavour's: the model this rank keeps, its optimizer, gradients and step ---
+    @property
+    def model(self):
+        return self.flavour.model
 
-    def __setattr__(self, attr, value):
-        # State lives on the flavour (e.g. job_comm); what Composed itself defines, here.
-        if attr in self._OWN or hasattr(type(self), attr):
-            object.__setattr__(self, attr, value)
-        else:
-            setattr(self._inner, attr, value)
+    @property
+    def optimizer(self):
+        return self.flavour.optimizer
 
-    def __getattr__(self, attr):
-        try:
-            return getattr(self._inner, attr)
-        except AttributeError:
-            return getattr(self._executor, attr)
+    @property
+    def job_comm(self):
+        return self.flavour.job_comm
+
+    @job_comm.setter
+    def job_comm(self, comm) -> None:  # e.g. a counting wrapper over the job's collectives
+        self.flavour.job_comm = comm
+
+    @property
+    def dp_copies(self) -> tuple:
+        return self.flavour.dp_copies
+
+    def backward(self, loss) -> None:
+        self.flavour.backward(loss)
+
+    def step(self, scaler=None, max_grad_norm: float = 0.0, guard=None) -> bool:
+        return self.flavour.step(scaler, max_grad_norm, guard)
+
+    def param_norm(self) -> float:
+        return self.flavour.param_norm()
+
+    def buffer_norm(self) -> float:
+        return self.flavour.buffer_norm()
+
+    def placements(self) -> dict:
+        return self.flavour.placements()
+
+    def load_state_entries(self, reader) -> None:
+        self.flavour.load_state_entries(reader)
+
+    # what the non-finite guard and the device step read (train/nonfinite.py,
+    # train/device_step.py)
+    def _grad_norm(self) -> float:
+        return self.flavour._grad_norm()
+
+    def _nonfinite_grads(self):
+        return self.flavour._nonfinite_grads()
+
+    def _norm_weight(self, t) -> float:
+        return self.flavour._norm_weight(t)
+
+    # --- the executor's: running the step over the split ---
+    @property
+    def name_of(self):
+        """A stage parameter's name in the whole model (the pipeline's), else None."""
+        return getattr(self.executor, "name_of", None)
 
     def forward_backward(self, micro_batches, loss_fn, precision) -> float:
         """Run the executor over the step's micro-batches (collective). Under tensor
@@ -62,7 +108,7 @@ class Composed:
         reports it (every tp rank computed the same loss)."""
         if self._tensor is not None:
             loss_fn = self._tensor.adapt_loss(loss_fn)
-        local = self._executor.forward_backward(self._inner, micro_batches, loss_fn, precision)
+        local = self.executor.forward_backward(self.flavour, micro_batches, loss_fn, precision)
         return local if self._tensor is None or self._tensor.tp.rank == 0 else 0.0
 
     def forward_loss(self, micro_batches, loss_fn, precision) -> float:
@@ -70,18 +116,19 @@ class Composed:
         the executor, reported as the training loss is (collective)."""
         if self._tensor is not None:
             loss_fn = self._tensor.adapt_loss(loss_fn)
-        local = self._executor.forward_loss(self._inner, micro_batches, loss_fn, precision)
+        local = self.executor.forward_loss(self.flavour, micro_batches, loss_fn, precision)
         return local if self._tensor is None or self._tensor.tp.rank == 0 else 0.0
 
     def data_shard(self, world) -> tuple[int, int]:
-        return self._executor.data_shard(world)
+        return self.executor.data_shard(world)
 
     def load_batch(self, dataset, indices):
-        return self._executor.load_batch(dataset, indices)
+        return self.executor.load_batch(dataset, indices)
 
+    # --- both: the executor names the whole model where it has a hook, else the flavour ---
     def _by_executor(self, method: str, *args):
-        fn = getattr(self._executor, method, None)
-        return fn(self._inner, *args) if fn is not None else getattr(self._inner, method)(*args)
+        fn = getattr(self.executor, method, None)
+        return fn(self.flavour, *args) if fn is not None else getattr(self.flavour, method)(*args)
 
     def state_entries(self) -> list:
         return self._by_executor("state_entries")
@@ -99,13 +146,13 @@ class Composed:
     def full_state_dict(self, rank0_only: bool = False) -> dict:
         """As Parallelized.full_state_dict, the executor assembling the whole model (and
         the tp slices joined into whole tensors)."""
-        if not hasattr(self._executor, "full_state"):
-            state = self._inner.full_state_dict(False)
+        if not hasattr(self.executor, "full_state"):
+            state = self.flavour.full_state_dict(False)
         else:
-            state = self._executor.full_state(self._inner)
+            state = self.executor.full_state(self.flavour)
         if self._tensor is not None:
             state = self._tensor.assemble(state)
-        job = self._inner.job_comm
+        job = self.flavour.job_comm
         if job is not None:
             job.barrier()
         if rank0_only and job is not None and job.rank != 0:
@@ -153,15 +200,16 @@ def _flavour(plan: ParallelPlan, model, make_optimizer, world, options: dict, gr
         _log(world, "Horovod is not installed: the ddp flavour runs on hpctrain's own "
                     "all-reduce (the sharding engine unsharded, NO_SHARD), with the same "
                     "results; install Horovod for its tensor fusion")
-    if ((plan.pipeline or plan.tensor) and flavour == "ddp") or no_horovod:
+    if registry.ddp_by_engine(plan) or no_horovod:
         from hpctrain.parallel.fsdp import FSDPOptions
 
         ddp = options.get("ddp")
         options = {**options, "fsdp": FSDPOptions(
             sharding_strategy="NO_SHARD", grad_accum=ddp.grad_accum if ddp else 1)}
         flavour = "fsdp"
-    module = importlib.import_module(FLAVOUR_MODULES[flavour])
-    opts = options.get(FLAVOUR_TABLES[flavour])
+    spec = registry.flavour(flavour)
+    module = importlib.import_module(spec.module)
+    opts = options.get(spec.table)
     if hasattr(module, "options_for"):
         opts = module.options_for(flavour, opts)
     if plan.pipeline:  # BatchNorm statistics stay per stage (micro-batches, not replicas)
@@ -242,7 +290,7 @@ def has_deferred(model) -> bool:
 
 
 def _flavour_text(plan: ParallelPlan) -> str:
-    if plan.flavour == "ddp" and (plan.pipeline or plan.tensor):
+    if registry.ddp_by_engine(plan):
         return "ddp (all-reduced by the sharding engine: Horovod reduces over the whole job)"
     return plan.flavour
 

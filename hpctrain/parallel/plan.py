@@ -17,16 +17,9 @@ from dataclasses import dataclass
 
 from hpctrain.runtime.mesh import MeshLayout
 
-__all__ = ["FLAVOURS", "FLAVOUR_TABLES", "STRATEGY_TABLE", "ParallelPlan", "build_plan"]
+from hpctrain.parallel import registry
 
-#: The data-parallel flavours over the dp dimension.
-FLAVOURS = ("ddp", "zero1", "zero2", "zero3", "fsdp")
-#: The config table each flavour reads.
-FLAVOUR_TABLES = {"ddp": "ddp", "zero1": "zero", "zero2": "zero", "zero3": "zero",
-                  "fsdp": "fsdp"}
-#: The options table of each shorthand strategy (single has none).
-STRATEGY_TABLE = {**FLAVOUR_TABLES, "pipeline": "pipeline", "domain": "domain",
-                  "tensor": "tensor"}
+__all__ = ["ParallelPlan", "PlanError", "build_plan"]
 
 
 class PlanError(ValueError):
@@ -69,15 +62,13 @@ class ParallelPlan:
         tiles of one replica see the same samples)."""
         return self.dp
 
+    def uses(self, strategy: str) -> bool:
+        """Whether the plan applies the dimension's transform (registry.DIMENSIONS)."""
+        return getattr(self, strategy)
+
     def transforms(self) -> list[str]:
         """The transforms the orchestrator applies, in its fixed order."""
-        out = []
-        if self.tensor:
-            out.append("tensor")
-        if self.domain:
-            out.append("domain")
-        if self.pipeline:
-            out.append("pipeline")
+        out = [d.strategy for d in registry.by_transform_order() if self.uses(d.strategy)]
         if self.name != "single":
             out.append(self.flavour)
         return out
@@ -101,7 +92,7 @@ class ParallelPlan:
 
 
 def _flavour_of(strategy: str, dp_flavour: str, pipeline_dp_sharding: str) -> str:
-    if strategy in FLAVOURS:
+    if strategy in registry.FLAVOUR_NAMES:
         if dp_flavour and dp_flavour != strategy:
             raise PlanError(f"--strategy {strategy} and --dp-flavour {dp_flavour} name different "
                             f"data-parallel flavours; give one of them")
@@ -109,8 +100,7 @@ def _flavour_of(strategy: str, dp_flavour: str, pipeline_dp_sharding: str) -> st
     if strategy == "pipeline" and pipeline_dp_sharding != "ddp":
         if dp_flavour and dp_flavour != pipeline_dp_sharding:
             raise PlanError(f"pipeline.dp_sharding = {pipeline_dp_sharding!r} and --dp-flavour "
-                            f"{dp_flavour} disagree; give one of them (--dp-flavour is the newer "
-                            f"spelling)")
+                            f"{dp_flavour} disagree; give one of them")
         return pipeline_dp_sharding
     return dp_flavour or "ddp"
 
@@ -119,8 +109,9 @@ def build_plan(strategy: str, mesh: str, world_size: int, dp_flavour: str = "",
                pipeline_dp_sharding: str = "ddp") -> ParallelPlan:
     """The plan of a run: the strategy shorthand, the mesh and the flavour (PlanError when
     it cannot run at this world size)."""
-    if dp_flavour and dp_flavour not in FLAVOURS:
-        raise PlanError(f"--dp-flavour {dp_flavour!r}: expected one of {', '.join(FLAVOURS)}")
+    if dp_flavour and dp_flavour not in registry.FLAVOUR_NAMES:
+        raise PlanError(f"--dp-flavour {dp_flavour!r}: expected one of "
+                        f"{', '.join(registry.FLAVOUR_NAMES)}")
     composing = bool(mesh) or bool(dp_flavour)
     if strategy == "single" and not composing:
         if world_size > 1:
@@ -130,36 +121,22 @@ def build_plan(strategy: str, mesh: str, world_size: int, dp_flavour: str = "",
                 f"--mesh/--dp-flavour, or launch one process")
         return ParallelPlan(name="single")
     flavour = _flavour_of(strategy, dp_flavour, pipeline_dp_sharding)
-    default = {"pipeline": f"pp={world_size},dp=1", "domain": f"dom={world_size},dp=1",
-               "tensor": f"tp={world_size},dp=1"}
-    text = mesh or default.get(strategy, "")
+    text = mesh or registry.default_mesh(strategy, world_size)
     try:
         layout = MeshLayout.parse(text).resolve(world_size)
     except ValueError as exc:
         raise PlanError(f"runtime.mesh = {mesh!r}: {exc}") from None
-    pp, dp, tp, dom = layout.pp, layout.dp, layout.tp, tuple(layout.dom)
-    dom_size = layout.dom_size
-    if strategy == "pipeline" and dom_size > 1:
-        raise PlanError(f"runtime.mesh = {mesh!r}: strategy 'pipeline' uses pp, dp and tp; "
-                        f"drop dom")
-    if strategy == "domain" and (pp > 1 or tp > 1):
-        raise PlanError(f"runtime.mesh = {mesh!r} uses pp/tp but strategy 'domain' uses dp and "
-                        f"dom only; e.g. --mesh dom=2x2 or --mesh dp=2,dom=2")
-    if strategy == "tensor" and dom_size > 1:
-        raise PlanError(f"runtime.mesh = {mesh!r}: strategy 'tensor' uses tp, dp and pp; "
-                        f"drop dom")
-    if dom_size > 1 and (pp > 1 or tp > 1):
-        raise PlanError(f"runtime.mesh = {mesh!r}: a domain split (dom="
-                        f"{'x'.join(map(str, dom))}) composes with dp only, not with pipeline "
-                        f"stages or tensor parallel; use dom with dp, or pp/tp with dp")
-    pipeline, domain = pp > 1 or strategy == "pipeline", dom_size > 1 or strategy == "domain"
-    tensor = tp > 1 or strategy == "tensor"
-    parts = [n for n, on in (("pipeline", pipeline), ("domain", domain), ("tensor", tensor)) if on]
+    why = registry.composition_error(strategy, layout, mesh)
+    if why:
+        raise PlanError(why)
+    degrees = layout.degrees()
+    on = {d.strategy: degrees[d.key] > 1 or strategy == d.strategy for d in registry.DIMENSIONS}
+    parts = [name for name, used in on.items() if used]
     if not parts:
         name = flavour
-    elif strategy == "pipeline" or (strategy in ("domain", "tensor") and flavour == "ddp"):
+    elif strategy == "pipeline" or (strategy in on and flavour == "ddp"):
         name = "+".join(parts)  # the shorthand keeps its name (pipeline: any dp flavour)
     else:
         name = "+".join(parts + [flavour])
-    return ParallelPlan(pp=pp, dp=dp, tp=tp, dom=dom, flavour=flavour, name=name,
-                        pipeline=pipeline, domain=domain, tensor=tensor)
+    return ParallelPlan(pp=layout.pp, dp=layout.dp, tp=layout.tp, dom=tuple(layout.dom),
+                        flavour=flavour, name=name, **on)

@@ -7,12 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hpctrain.config import Config, ConfigError, load_config
+from hpctrain.parallel.registry import FLAVOUR_NAMES, SHARDED_FLAVOURS, flavour as flavour_of
 
 __all__ = ["Candidate", "Request", "candidates", "config_of", "overrides_of"]
 
 # (flavour, fsdp sharding strategy) of the dp dimension; HYBRID only across several nodes.
-DP_CHOICES = (("ddp", ""), ("zero1", ""), ("zero2", ""), ("zero3", ""),
-              ("fsdp", "FULL_SHARD"), ("fsdp", "SHARD_GRAD_OP"), ("fsdp", "HYBRID_SHARD"))
+DP_CHOICES = tuple((f, "") for f in FLAVOUR_NAMES if f != "fsdp") + (
+    ("fsdp", "FULL_SHARD"), ("fsdp", "SHARD_GRAD_OP"), ("fsdp", "HYBRID_SHARD"))
 SCHEDULES = ("1f1b", "gpipe")
 
 
@@ -110,13 +111,13 @@ def overrides_of(c: Candidate, req: Request, spec: str, options: dict,
     if c.flavour == "fsdp" and c.sharding != "FULL_SHARD":
         data["fsdp"] = {"sharding_strategy": c.sharding}
     buckets = {}
-    if c.flavour in ("zero1", "zero2", "zero3", "fsdp") and \
+    if c.flavour in SHARDED_FLAVOURS and \
             req.reduce_bucket_size != Request.reduce_bucket_size:
         buckets["reduce_bucket_size"] = req.reduce_bucket_size
     if c.flavour == "fsdp" and req.allgather_bucket_size != Request.allgather_bucket_size:
         buckets["allgather_bucket_size"] = req.allgather_bucket_size
     if buckets:
-        table = "fsdp" if c.flavour == "fsdp" else "zero"
+        table = flavour_of(c.flavour).table
         data[table] = {**data.get(table, {}), **buckets}
     if c.pp > 1:
         data["pipeline"] = {"schedule": c.schedule, "microbatches": req.microbatches}

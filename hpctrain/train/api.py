@@ -118,7 +118,7 @@ class Trainer:
 
     def __init__(self, cfg: Config | None = None, world=None, built=None, *, callbacks=(),
                  epochs: int | None = None, val_every: int = 0, set=None,  # noqa: A002
-                 force_unlock: bool = False, **options):
+                 force_unlock: bool = False, checked=None, **options):
         if cfg is not None and (options or set):
             raise ConfigError("Trainer: give a Config or keyword options, not both")
         self.cfg = cfg if cfg is not None else _config(options, set)
@@ -130,6 +130,8 @@ class Trainer:
         self.should_stop = False
         self.engine = None
         self._built = built  # None: fit() gets the model (or builds the config's)
+        # train/checked.py's CheckedRun of cfg and ``built`` (the CLI checks before MPI)
+        self._checked = checked
         self._ready = None  # the engine setup() built, which the next fit() trains
 
     def setup(self, model=None, train_dataloaders=None, val_dataloaders=None, loss_fn=None):
@@ -174,9 +176,9 @@ class Trainer:
             raise ConfigError("Trainer.fit(model, train_dataloaders, val_dataloaders=None, "
                               "loss_fn=None): the third argument is the validation data (as "
                               "in Lightning); pass the loss as loss_fn=...")
-        built = self._built
+        built, checked = self._built, self._checked
         if model is not None:
-            built = self._user_model(model, train_dataloaders, loss_fn)
+            built, checked = self._user_model(model, train_dataloaders, loss_fn), None
         elif train_dataloaders is not None or loss_fn is not None:
             raise ConfigError("Trainer.fit: data or a loss without a model; pass the model too")
         validation = None
@@ -188,7 +190,8 @@ class Trainer:
             validation = (self._val_data(val_dataloaders), None, built.loss_fn, every)
         try:
             engine = Engine(self.cfg, self.world, built, callbacks=self.callbacks,
-                            owner=self, validation=validation, force_unlock=self.force_unlock)
+                            owner=self, validation=validation, force_unlock=self.force_unlock,
+                            checked=checked)
         except BaseException:
             if validation is not None:
                 validation[0].close()

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 
 import torch
 
 from hpctrain.config import Config, ConfigError, TrainSection
+from hpctrain.parallel import registry
+from hpctrain.parallel.registry import SHARDED_FLAVOURS, STRATEGY_TABLE
 
 __all__ = ["make_optimizer_factory", "check_optimizer", "optimizer_class", "plan_options",
            "strategy_options", "NOT_SHARDABLE"]
@@ -16,7 +19,6 @@ __all__ = ["make_optimizer_factory", "check_optimizer", "optimizer_class", "plan
 # moments, orthogonalised matrices): on the sharded flavours' flat 1-D shards they would
 # compute something else than on whole tensors, so those flavours refuse them.
 NOT_SHARDABLE = ("Adafactor", "Muon")
-SHARDED_FLAVOURS = ("zero1", "zero2", "zero3", "fsdp")
 # Optimizers the strategies' step cannot drive, and why.
 UNDRIVABLE = {"LBFGS": "its step re-evaluates the loss through a closure, which the training "
                        "loop does not give",
@@ -115,59 +117,40 @@ def _one_line(exc: Exception) -> str:
 
 def plan_options(cfg: Config, flavour: str | None = None) -> dict:
     """Typed options of every table a plan may read, keyed by table name (the orchestrator
-    picks the ones its transforms use); ``flavour`` sets the zero stage (default: the
-    strategy's, or runtime.dp_flavour)."""
-    from hpctrain.parallel.ddp import DDPOptions
-    from hpctrain.parallel.domain.strategy import DomainOptions
-    from hpctrain.parallel.pipeline import PipelineOptions
-    from hpctrain.parallel.tensor import TensorOptions
-    from hpctrain.parallel.zero import ZeroOptions
-
-    t, d, z, pl = cfg.train, cfg.ddp, cfg.zero, cfg.pipeline
+    picks the ones its transforms use): each filled from its config section field by field
+    (registry.OPTIONS), plus what the options take from [train] (grad_accum, activation
+    checkpointing) and the zero stage of ``flavour`` (default: the strategy's, or
+    runtime.dp_flavour)."""
+    t = cfg.train
     flavour = flavour or cfg.runtime.dp_flavour or t.strategy
-    stage = int(flavour[-1]) if flavour in ("zero1", "zero2", "zero3") else None
-    return {
-        "ddp": DDPOptions(fp16_compression=d.fp16_compression,
-                          fusion_threshold_mb=d.fusion_threshold_mb,
-                          cycle_time_ms=d.cycle_time_ms, grad_accum=t.grad_accum,
-                          sync_batchnorm=d.sync_batchnorm),
-        "zero": ZeroOptions(stage=stage, grad_accum=t.grad_accum,
-                            sync_batchnorm=z.sync_batchnorm, auto_wrap_policy=z.auto_wrap_policy,
-                            wrap_classes=_class_names(z.wrap_classes), min_params=z.min_params,
-                            reduce_bucket_size=z.reduce_bucket_size),
-        "fsdp": fsdp_options(cfg),
-        "pipeline": PipelineOptions(schedule=pl.schedule, microbatches=pl.microbatches,
-                                    virtual_stages=pl.virtual_stages, balance=pl.balance,
-                                    split_points=pl.split_points,
-                                    activation_checkpointing=t.activation_checkpointing,
-                                    dp_sharding=pl.dp_sharding, p2p=pl.p2p),
-        "domain": DomainOptions(overlap=cfg.domain.overlap),
-        "tensor": TensorOptions(sequence_parallel=cfg.tensor.sequence_parallel,
-                                plan=dict(cfg.tensor.plan)),
-    }
+    stage = registry.flavour(flavour).stage if flavour in registry.FLAVOUR_NAMES else None
+    given = {"grad_accum": t.grad_accum, "activation_checkpointing": t.activation_checkpointing,
+             "stage": stage}
+    return {table: _options(getattr(cfg, table), registry.OPTIONS[table], given)
+            for table in registry.TABLES}
+
+
+def _options(section, spec: str, given: dict):
+    """The options class ``spec`` ('module:Class') filled from ``section``'s fields (a
+    comma-separated class list becomes a tuple, a table a fresh dict) and ``given``."""
+    module_name, _, name = spec.partition(":")
+    cls = getattr(importlib.import_module(module_name), name)
+    values = {}
+    for f in dataclasses.fields(cls):
+        if hasattr(section, f.name):
+            value = getattr(section, f.name)
+            if f.name == "wrap_classes":
+                value = _class_names(value)
+            values[f.name] = dict(value) if isinstance(value, dict) else value
+        elif f.name in given:
+            values[f.name] = given[f.name]
+    return cls(**values)
 
 
 def strategy_options(cfg: Config):
     """The typed options of the strategy's own table (None for single)."""
-    from hpctrain.parallel.plan import STRATEGY_TABLE
-
     table = STRATEGY_TABLE.get(cfg.train.strategy)
     return plan_options(cfg)[table] if table else None
-
-
-def fsdp_options(cfg: Config):
-    """FSDPOptions from the [fsdp] table (and train.grad_accum)."""
-    from hpctrain.parallel.fsdp import FSDPOptions
-
-    f = cfg.fsdp
-    return FSDPOptions(sharding_strategy=f.sharding_strategy, auto_wrap_policy=f.auto_wrap_policy,
-                       wrap_classes=_class_names(f.wrap_classes),
-                       min_params=f.min_params, backward_prefetch=f.backward_prefetch,
-                       param_dtype=f.param_dtype, reduce_dtype=f.reduce_dtype,
-                       buffer_dtype=f.buffer_dtype, cpu_offload=f.cpu_offload,
-                       grad_accum=cfg.train.grad_accum, sync_batchnorm=f.sync_batchnorm,
-                       reduce_bucket_size=f.reduce_bucket_size,
-                       allgather_bucket_size=f.allgather_bucket_size)
 
 
 def _class_names(text: str) -> tuple:

@@ -23,8 +23,7 @@ from hpctrain.data.structure import to_device
 from hpctrain.models.layers import LayerStack
 from hpctrain.models.registry import BuiltModel, build, build_deferred, build_layers
 from hpctrain.parallel.orchestrator import defer_init, has_deferred, parallelize
-from hpctrain.train.dropout import check_dropout
-from hpctrain.train.loss_count import check_loss_count
+from hpctrain.train.checked import CheckedRun, check_run
 from hpctrain.train.metrics import (SUMMARY_NAME, MetricsCSV, TensorBoardWriter,
                                     gather_peak_rss_mb, peak_rss_mb, write_summary)
 from hpctrain.train.nonfinite import NonFiniteError, NonFiniteGuard
@@ -34,19 +33,20 @@ from hpctrain.train.progress import Progress
 from hpctrain.train.report import report_after_training
 from hpctrain.train.schedule import make_schedule
 from hpctrain.train.strategy import make_optimizer_factory, plan_options
-from hpctrain.train.weighting import LossWeighting
 
 __all__ = ["Trainer", "build_model", "run_dir", "NonFiniteError"]
 
 
-def build_model(cfg: Config, world_size: int | None = None) -> BuiltModel:
+def build_model(cfg: Config, world_size: int | None = None, plan=None) -> BuiltModel:
     """Build model, data set and loss from the config (no communication; raises ValueError).
 
     A plan with a pipeline gets a LayerStack instead of a model (each rank builds only its
-    stage); with world_size given, a split that cannot fit is reported here, before MPI.
+    stage); with the plan (or the world size) given, a split that cannot fit is reported
+    here, before MPI.
     """
     t = cfg.train
-    plan = cfg.plan(world_size or 1) if world_size is not None else None
+    if plan is None and world_size is not None:
+        plan = cfg.plan(world_size)
     if plan.pipeline if plan is not None else t.strategy == "pipeline":
         built = build_layers(t.model, t.seed, **t.model_options)
         if plan is not None:
@@ -103,7 +103,8 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config, world=None, built: BuiltModel | None = None,
-                 callbacks=(), owner=None, validation=None, force_unlock: bool = False):
+                 callbacks=(), owner=None, validation=None, force_unlock: bool = False,
+                 checked: CheckedRun | None = None):
         self.cfg = cfg
         # the run-directory lock (runtime/run_lock.py), held from _build to the end of fit()
         self.force_unlock, self.run_lock = force_unlock, None
@@ -119,7 +120,7 @@ class Trainer:
             world = init_world(cfg.runtime.ranks_per_node, cfg.runtime.device)
         self.world, self.plan, self.watchdog = world, None, None
         try:
-            self._build(cfg, world, built)
+            self._build(cfg, world, built, checked)
         except BaseException as exc:
             if self.watchdog is not None:  # a caller that catches the error may train again
                 self.watchdog.stop()
@@ -151,36 +152,44 @@ class Trainer:
         checkpoint.clean_stale(c.dir, world.mpi_comm)  # what saves that died left behind
         resume = checkpoint.resolve_resume(c.resume, c.dir, world.mpi_comm)
         if resume:
-            self.start_step, self.history = checkpoint.load_checkpoint(
-                resume, self.par, world, self.sampler, self.precision.scaler, self.schedule)
+            self.start_step, self.history = checkpoint.load_checkpoint(resume, self._run_state())
             if world.is_main:
                 print(f"hpctrain: resumed from {resume} at step {self.start_step}", flush=True)
+
+    def _run_state(self, losses=()) -> checkpoint.RunState:
+        return checkpoint.RunState(self.par, self.world, self.sampler, list(losses),
+                                   self.precision.scaler, self.schedule, self.cfg)
 
     def release_lock(self) -> None:
         """Let other runs use this run's directories (rank 0 removes its lock files)."""
         if self.run_lock is not None:
             self.run_lock.release()
 
-    def _build(self, cfg: Config, world, built: BuiltModel | None) -> None:
-        """The model, the plan and the strategy, from the config (collective)."""
-        self.built = built if built is not None else build_model(cfg, world.size)
+    def _build(self, cfg: Config, world, built: BuiltModel | None,
+               checked: CheckedRun | None) -> None:
+        """The model, the plan and the strategy, from the config (collective). ``checked``:
+        what the CLI checked before MPI (the plan and the model against it), else done here."""
+        if checked is None:
+            plan = cfg.check(world.size)
+            self.built = built if built is not None else build_model(cfg, plan=plan)
+        else:
+            if checked.plan.world_size != world.size:
+                raise ValueError(f"the run was checked for {checked.plan.world_size} ranks, "
+                                 f"the world has {world.size}")
+            self.built = built
         # Record communication from the first collective on; the watchdog ends a stalled job
         # (runtime/flight.py, runtime/watchdog.py).
         RECORDER.enabled = cfg.runtime.flight_recorder
         if cfg.train.trace_dir:  # --trace: this rank's events, merged at the end of fit()
             TIMELINE.enable(cfg.train.trace_dir, world.rank)
-        cfg.validate(world.size)
-        self.plan = cfg.plan(world.size)
-        # dropout whose masks the plan cannot make one process's: refused (every rank alike,
-        # before any collective), else said once
-        notes = [check_dropout(self.plan, self.built.model, self.built.dataset,
-                               cfg.train.per_rank_dropout)]
-        # what the loss averages over (train.loss_weight = tokens), measured when not declared
-        self.weighting = LossWeighting(cfg.train.loss_weight, cfg.train.ignore_index)
-        notes.append(check_loss_count(self.weighting, self.built.model, self.built.dataset,
-                                      self.built.loss_fn))
-        for note in notes:
-            if note and world.is_main:
+        if checked is None:
+            # dropout whose masks the plan cannot make one process's, a loss whose count the
+            # tokens weighting cannot tell: refused (every rank alike, before any
+            # collective), else said once
+            checked = check_run(cfg, plan, self.built)
+        self.plan, self.weighting = checked.plan, checked.weighting
+        for note in checked.notes:
+            if world.is_main:
                 print(note, flush=True)
         self.out_dir = run_dir(cfg, self.plan.name, world.mpi_comm)
         # Before any file is written: a directory another run writes stops every rank here.
@@ -194,11 +203,6 @@ class Trainer:
         t = cfg.train
         self.precision = Precision(t.precision, world.device)
         options = plan_options(cfg, self.plan.flavour)
-        if self.plan.tensor:  # the split and the loss, checked alike on every rank
-            from hpctrain.parallel.tensor import check as check_tensor
-
-            check_tensor(self.built.model, options["tensor"], self.plan.tp, self.built.loss_fn,
-                         self.plan.flavour, self.plan.dp)
         if self.plan.pipeline and cfg.pipeline.balance == "measured":
             n = t.global_batch_size // (t.grad_accum * cfg.pipeline.microbatches)
             x, y = collate(self.built.dataset, range(max(1, n)))
@@ -288,9 +292,7 @@ class Trainer:
         c = self.cfg.checkpoint
         set_context(phase="checkpoint")
         t0 = time.perf_counter()
-        path = checkpoint.save_checkpoint(c.dir, step, self.par, self.world, self.cfg,
-                                          self.sampler, losses, self.precision.scaler, c.keep,
-                                          self.schedule)
+        path = checkpoint.save_checkpoint(c.dir, step, self._run_state(losses), c.keep)
         self._save_s = time.perf_counter() - t0
         if self.world.is_main:
             print(f"hpctrain: checkpoint written: {path}", flush=True)

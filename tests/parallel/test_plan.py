@@ -57,7 +57,7 @@ def test_pipeline_dp_sharding_is_the_pipelines_flavour():
     (("single", "pp=3", 4, "ddp"), "does not divide 4 ranks"),
     (("zero1", "dp=3", 4), "multiply to 3, not 4"),
     (("pipeline", "dom=2,dp=2", 4), "strategy 'pipeline' uses pp, dp and tp"),
-    (("domain", "pp=2,dp=2", 4), "strategy 'domain' uses dp and dom only"),
+    (("domain", "pp=2,dp=2", 4), "strategy 'domain' uses dom and dp only"),
     (("single", "", 2, "zero4"), "--dp-flavour 'zero4'"),
     (("pipeline", "", 2, "zero3", "zero1"), "disagree"),
 ])

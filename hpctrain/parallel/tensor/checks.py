@@ -14,6 +14,7 @@ from hpctrain.parallel.tensor import hf_plan
 from hpctrain.parallel.tensor.layers import is_conv1d
 from hpctrain.parallel.tensor.loss import is_cross_entropy
 from hpctrain.parallel.tensor.styles import STYLES, match_plan, parse_plan
+from hpctrain.parallel.registry import SHARDED_FLAVOURS
 
 __all__ = ["TensorOptions", "Split", "check", "check_sharding", "cuts", "model_plan",
            "vocab_rows"]
@@ -186,7 +187,7 @@ def _from_hugging_face(model) -> bool:
 
 
 # dp flavours that shard flat buffers of the tp-local parameters over dp
-_SHARDED = ("zero1", "zero2", "zero3", "fsdp")
+_SHARDED = SHARDED_FLAVOURS
 
 
 def check_sharding(splits: dict, tp: int, flavour: str, dp: int) -> None:
