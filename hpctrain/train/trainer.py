@@ -170,7 +170,7 @@ class Trainer:
         """The model, the plan and the strategy, from the config (collective). ``checked``:
         what the CLI checked before MPI (the plan and the model against it), else done here."""
         if checked is None:
-            plan = cfg.check(world.size)
+            plan = self.plan = cfg.check(world.size)  # errors from here on name the plan
             self.built = built if built is not None else build_model(cfg, plan=plan)
         else:
             if checked.plan.world_size != world.size:

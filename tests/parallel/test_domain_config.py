@@ -23,7 +23,7 @@ def test_domain_batch_is_split_over_dp_only():
 def test_domain_rejects_pp_and_tp_and_bad_degrees():
     cfg = _cfg(global_batch_size=4)
     cfg.runtime.mesh = "pp=2,dom=2"
-    with pytest.raises(ConfigError, match="dp and dom only"):
+    with pytest.raises(ConfigError, match="dom and dp only"):
         cfg.validate(4)
     cfg.runtime.mesh = "dom=3"
     with pytest.raises(ConfigError, match="multiply to 3"):
