@@ -1,4 +1,5 @@
-"""Tests for hpctrain.runtime.comm: real mpirun runs per backend, input checks in-process."""
+"""Tests for hpctrain.runtime.comm: real mpirun runs (both backends in one launch per world
+size), input checks in-process."""
 
 import numpy as np
 import pytest
@@ -16,7 +17,8 @@ BACKENDS = ["mpi", "gloo"]
 
 @pytest.fixture(scope="module")
 def worker_runs():
-    """{ranks: output}: comm_worker checks both backends in one launch per world size."""
+    """{ranks: output}, filled by a world size's first case: comm_worker checks both backends
+    in one launch per world size."""
     return {}
 
 
