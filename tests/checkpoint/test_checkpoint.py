@@ -1,11 +1,11 @@
 """Parallel HDF5 checkpoints under real mpirun: resume, reshard, crash, corruption, fallback.
 
-Resume, reshard and the serial fallback run their command lines many per process
-(tests/parallel/train_worker.py runs each through hpctrain's CLI code in-process; a
-checkpoint written at one world size is resumed in a later launch at another), and so do the
-plain runs that write the checkpoints the other tests damage. Crashes, corrupt files and
-errors, whose exit codes and error lines are the point, run as real ``python -m hpctrain``
-launches."""
+Resume, reshard and the serial fallback run their command lines many per process, in the
+session's pool (tests/parallel/train_cases.py: one launch per world size shared with the
+other pooled modules; a checkpoint written at one world size is resumed in a later launch at
+another), and so do the plain runs that write the checkpoints the other tests damage.
+Crashes, corrupt files and errors, whose exit codes and error lines are the point, run as
+real ``python -m hpctrain`` launches."""
 
 import json
 import os
@@ -16,11 +16,13 @@ import h5py
 import numpy as np
 import pytest
 
-from tests.checkpoint.forge import FORGERIES, forge
+from tests.checkpoint.forge import FORGERIES
 from tests.mpirun import run_mpi, run_single
-from tests.parallel.train_cases import run_steps
+from tests.parallel.train_cases import pool, pooled_results
 
 pytestmark = pytest.mark.mpi
+
+FORGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forge.py")
 
 # A global batch of 12 is valid at 1, 2, 3 and 4 ranks.
 COMMON = ["-m", "hpctrain", "train", "--model", "mlp", "--global-batch-size", "12",
@@ -123,20 +125,21 @@ def _where(strategy, world):
     return None if strategy == "single" else world  # single: a plain process, as _run does
 
 
-@pytest.fixture(scope="module")
-def resumed(tmp_path_factory, gpt_ckpt):
+def _steps(tmp):
     """For every RESUME and RESHARD case: the straight 20-step run, the 10-step run that
     checkpoints, and the run that resumes it (a checkpoint directory per case); the same
-    for the SERIAL round trips (8 steps, the checkpoint written in per-rank files); and the
-    PREP runs that the real CLI launches below start from."""
-    tmp = tmp_path_factory.mktemp("resume")
+    for the SERIAL round trips (8 steps, the checkpoint written in per-rank files); the
+    PREP runs that the real CLI launches below start from; the untrusted file and every
+    MISFIT case. A straight run waits for its cases' writes: it runs in their resumes'
+    launch, not in one of its own."""
     steps, straight = [], {}
     for before, after, opt in RESUME + RESHARD:
         key = (after, opt)
         if key not in straight:  # the same command line: run once
-            straight[key] = f"straight-{after[0]}{after[1]}-{opt}"
-            steps.append({"id": straight[key], "world": _where(*after),
-                          "argv": _train_args(after[0], opt, 20)})
+            straight[key] = {"id": f"straight-{after[0]}{after[1]}-{opt}",
+                             "world": _where(*after), "argv": _train_args(after[0], opt, 20),
+                             "after": []}
+            steps.append(straight[key])
     for case in RESUME + RESHARD:
         before, after, opt = case
         d = tmp / _ident(case) / "ck"
@@ -147,9 +150,10 @@ def resumed(tmp_path_factory, gpt_ckpt):
                       "after": [f"{_ident(case)}-a"],
                       "argv": _train_args(after[0], opt, 20,
                                           ["--checkpoint-dir", str(d), "--resume", "auto"])})
+        straight[(after, opt)]["after"].append(f"{_ident(case)}-a")
     for worlds in SERIAL:  # test_serial_fallback_round_trips
         d, name = tmp / f"serial-{worlds}" / "ck", f"serial-{worlds[0]}-{worlds[1]}"
-        steps.append({"id": f"{name}-straight", "world": worlds[1],
+        steps.append({"id": f"{name}-straight", "world": worlds[1], "after": [f"{name}-a"],
                       "argv": _train_args("ddp", "adamw", 8)})
         steps.append({"id": f"{name}-a", "world": worlds[0], "env": FORCE_SERIAL,
                       "argv": _train_args("ddp", "adamw", 4, ["--checkpoint-dir", str(d)])})
@@ -160,17 +164,33 @@ def resumed(tmp_path_factory, gpt_ckpt):
         flags = [f.format(d=tmp / name / "ck") for f in flags]
         steps.append({"id": name, "world": _where(strategy, world),
                       "argv": _train_args(strategy, opt, n, flags)})
-    # A file that reads another file's data (forge.py) named by --resume under zero3.
-    untrusted = forge(str(gpt_ckpt), str(tmp / "untrusted"), "virtual_elsewhere")
-    steps.append({"id": "untrusted-zero3", "world": 2,
+    steps += _misfit_steps(tmp)
+    # A file that reads another file's data (forge.py, run after the misfit GPT's run wrote
+    # the checkpoint it forges) named by --resume under zero3.
+    gpt = tmp / "misfit-gpt" / "ck" / "ckpt-000001.h5"
+    steps.append({"id": "forge", "world": None, "script": FORGE, "after": ["misfit-gpt"],
+                  "args": [str(gpt), str(tmp / "untrusted"), "virtual_elsewhere"]})
+    steps.append({"id": "untrusted-zero3", "world": 2, "after": ["forge"],
                   "argv": ["--model", "gpt", "--strategy", "zero3", "--steps", "4",
                            "--optimizer", "adamw", "--lr", "0.003", "--global-batch-size", "8",
-                           "--progress", "off", "--out-dir", "", "--resume", untrusted]})
-    steps += _misfit_steps(tmp)
-    results = run_steps(tmp, steps, order=[None, 4, 2, 3, 1])
-    out_untrusted = (untrusted, results["untrusted-zero3"])
+                           "--progress", "off", "--out-dir", "", "--resume",
+                           str(tmp / "untrusted" / gpt.name)]})
+    return steps
+
+
+pool(__name__, _steps, "resumed")
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """The pooled runs of ``_steps``, by test: each RESUME and RESHARD case (its checkpoint
+    directory, write, resume and straight run), each SERIAL round trip, each PREP run, the
+    untrusted file's run and each MISFIT run."""
+    results = pooled_results(__name__, tmp_path_factory)
+    tmp = results["_tmp"]
     out = {case: (tmp / _ident(case) / "ck", results[f"{_ident(case)}-a"],
-                  results[f"{_ident(case)}-b"], results[straight[(case[1], case[2])]])
+                  results[f"{_ident(case)}-b"],
+                  results[f"straight-{case[1][0]}{case[1][1]}-{case[2]}"])
            for case in RESUME + RESHARD}
     for worlds in SERIAL:
         name = f"serial-{worlds[0]}-{worlds[1]}"
@@ -179,7 +199,7 @@ def resumed(tmp_path_factory, gpt_ckpt):
     for name in PREP:
         assert results[name]["rc"] == 0, results[name]["stderr"]
         out[name] = (tmp / name / "ck", results[name]["summary"])
-    out["untrusted"] = out_untrusted
+    out["untrusted"] = (str(tmp / "untrusted" / "ckpt-000001.h5"), results["untrusted-zero3"])
     assert results["misfit-gpt"]["rc"] == 0, results["misfit-gpt"]["stderr"]
     out.update({cid: (tmp, results[cid]) for cid in MISFIT})
     return out

@@ -1,8 +1,10 @@
 """mpirun worker for test_placement: parameters placed as tensor-parallel slices, sharded by
 the data-parallel flavours, trained two steps, checkpointed, and loaded at other splits.
 
-    python -m tests.parallel.placement_worker write DIR TP
+    python -m tests.parallel.placement_worker write DIR TP [read DIR TP]...
     python -m tests.parallel.placement_worker read DIR TP
+
+(MODE DIR TP triples run one after another in the one process.)
 
 The model: a (10, 6) weight split by rows over tp with its bias, a (5, 10) weight split by
 columns over tp, and a (5,) bias every tp rank holds whole (its gradient the same on each:
@@ -118,8 +120,14 @@ def check_slices(par, want: dict, tp_rank: int, tp: int, what: str):
 
 
 def main() -> int:
-    mode, directory, tp = sys.argv[1], sys.argv[2], int(sys.argv[3])
     world = init_world()
+    args = sys.argv[1:]
+    for i in range(0, len(args), 3):  # MODE DIR TP, again and again: one process start
+        run(world, args[i], args[i + 1], int(args[i + 2]))
+    return 0
+
+
+def run(world, mode: str, directory: str, tp: int) -> None:
     mesh = world.mesh(MeshLayout.parse(f"dp={world.size // tp},tp={tp}").resolve(world.size))
     tp_comm, dp = mesh.comm("tp"), mesh.comm("dp")
     want, want_state = reference()
@@ -155,7 +163,6 @@ def main() -> int:
         world.mpi_comm.Barrier()
     sys.stdout.write(f"rank {world.rank}: OK {mode}\n")
     sys.stdout.flush()
-    return 0
 
 
 if __name__ == "__main__":

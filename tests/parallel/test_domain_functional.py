@@ -4,17 +4,17 @@ the CLI trains one as one process does) or refused with the op and the model's l
 one-process check, on every rank's tiles, and by the CLI with exit 2 before MPI)."""
 
 import inspect
-import json
 import os
 
-import numpy as np
 import pytest
 import torch
 
 from hpctrain.data.sampler import collate
 from hpctrain.parallel.domain.functional import check
 from tests.fixtures import domain_functional as D
-from tests.mpirun import run_mpi, run_single
+from tests.mpirun import run_mpi
+from tests.parallel.equivalence import assert_matches, summary
+from tests.parallel.train_cases import pool, pooled_results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -65,21 +65,28 @@ def test_functions_on_tiles_match_one_process(n):
 
 ARGS = ["-m", "hpctrain", "train", "--steps", "8", "--global-batch-size", "4", "--lr", "0.05",
         "--progress", "off", "--out-dir", ""]
+BLOCKS = ARGS[3:] + ["--model", "tests.fixtures.domain_functional:blocks"]
+
+# The CLI's two runs join the session's pool (tests/parallel/train_cases.py): one process
+# and dom=2, in the launches the other pooled modules make anyway.
+pool(__name__, lambda tmp: [
+    {"id": "one", "world": None, "argv": BLOCKS},
+    {"id": "dom", "world": 2, "argv": BLOCKS + ["--strategy", "domain", "--mesh", "dom=2",
+                                                "--set", "train.activation_checkpointing=true"]}],
+     "trained")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    return pooled_results(__name__, tmp_path_factory)
 
 
 @pytest.mark.mpi
-def test_cli_trains_a_functional_model_as_one_process(tmp_path):
+def test_cli_trains_a_functional_model_as_one_process(trained):
     """max_pool2d(x, 3, 1, 1), avg_pool2d, nearest interpolate of an odd coarse grid and a
     global mean gate in each block, at dom=2, the blocks recomputed in backward."""
-    model = ["--model", "tests.fixtures.domain_functional:blocks"]
-    run_single(ARGS + model + ["--summary", str(tmp_path / "one.json")], timeout=120)
-    run_mpi(2, ARGS + model + ["--strategy", "domain", "--mesh", "dom=2", "--summary",
-                               str(tmp_path / "dom.json"),
-                               "--set", "train.activation_checkpointing=true"], timeout=120)
-    one, dom = (json.loads((tmp_path / f"{k}.json").read_text()) for k in ("one", "dom"))
-    assert dom["strategy"] == "domain" and len(dom["losses"]) == 8
-    np.testing.assert_allclose(dom["losses"], one["losses"], rtol=1e-5, atol=0)
-    np.testing.assert_allclose(dom["param_norm"], one["param_norm"], rtol=1e-5)
+    assert_matches(summary(trained, "dom"), summary(trained, "one"), steps=8, world=2,
+                   strategy="domain", keys=("losses", "param_norm"), name="dom=2")
 
 
 @pytest.mark.mpi

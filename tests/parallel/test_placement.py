@@ -115,11 +115,10 @@ def test_box_runs_of_a_sliced_entry():
 def test_sliced_parameters_through_the_flavours(tmp_path):
     """Written at tp x dp = 2 x 2 (4 ranks) by zero1, zero2 and fsdp (NO_SHARD and
     HYBRID_SHARD); single loads it; tp=4 loads it back; tp=1 x dp=2 too."""
-    proc = run_mpi(4, ["-m", "tests.parallel.placement_worker", "write", str(tmp_path),
-                       "2"], timeout=240)
+    # written and read back at 4 ranks in one launch (the files closed before the read)
+    proc = run_mpi(4, ["-m", "tests.parallel.placement_worker", "write", str(tmp_path), "2",
+                       "read", str(tmp_path), "4"], timeout=240)
     assert proc.stdout.count("OK write") == 4, proc.stdout + proc.stderr
-    proc = run_mpi(4, ["-m", "tests.parallel.placement_worker", "read", str(tmp_path), "4"],
-                   timeout=240)
     assert proc.stdout.count("OK read") == 4, proc.stdout + proc.stderr
     proc = run_mpi(2, ["-m", "tests.parallel.placement_worker", "read", str(tmp_path), "1"],
                    timeout=240)

@@ -1,7 +1,8 @@
 """Run under mpirun: check every Communicator op against values computed locally.
 
-Usage: ``python tests/runtime/comm_worker.py mpi|gloo``. Raises (exit code != 0) on any
-mismatch; rank 0 prints ``comm_worker OK`` at the end.
+Usage: ``python tests/runtime/comm_worker.py BACKEND...`` (mpi, gloo: each in turn, one
+process start). Raises (exit code != 0) on any mismatch; rank 0 prints ``comm_worker OK``
+at the end of each backend.
 """
 
 import sys
@@ -516,4 +517,5 @@ def main(backend):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    for name in sys.argv[1:]:  # several backends: one after another, one process start
+        main(name)

@@ -1,4 +1,5 @@
-"""Tests for hpctrain.runtime.comm: real mpirun runs per backend, input checks in-process."""
+"""Tests for hpctrain.runtime.comm: real mpirun runs (both backends in one launch per world
+size), input checks in-process."""
 
 import numpy as np
 import pytest
@@ -11,12 +12,23 @@ from tests.mpirun import run_mpi
 WORKER = "tests/runtime/comm_worker.py"
 
 
+BACKENDS = ["mpi", "gloo"]
+
+
+@pytest.fixture(scope="module")
+def worker_runs():
+    """{ranks: output}, filled by a world size's first case: comm_worker checks both backends
+    in one launch per world size."""
+    return {}
+
+
 @pytest.mark.mpi
-@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("nranks", [1, 2, 4])
-def test_worker_all_ops(backend, nranks):
-    proc = run_mpi(nranks, [WORKER, backend], timeout=90)
-    assert f"comm_worker OK backend={backend} size={nranks}" in proc.stdout
+def test_worker_all_ops(worker_runs, backend, nranks):
+    if nranks not in worker_runs:
+        worker_runs[nranks] = run_mpi(nranks, [WORKER, *BACKENDS], timeout=150).stdout
+    assert f"comm_worker OK backend={backend} size={nranks}" in worker_runs[nranks]
 
 
 @pytest.fixture

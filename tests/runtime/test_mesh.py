@@ -46,7 +46,20 @@ def test_error_message_lists_all_degrees():
         assert w in str(err.value)
 
 
+LAYOUTS = [(4, "dp=2,pp=2"), (4, "tp=2,dp=2"), (4, "dom=2x2"), (2, "")]
+
+
+@pytest.fixture(scope="module")
+def mesh_runs():
+    """{world size: the output of one launch checking all that size's layouts}: one process
+    start per world size, not per layout (mesh_worker.py, one layout after another)."""
+    return {n: run_mpi(n, [os.path.join(HERE, "mesh_worker.py"),
+                           *[lay for m, lay in LAYOUTS if m == n]], timeout=120).stdout
+            for n in dict.fromkeys(n for n, _ in LAYOUTS)}
+
+
 @pytest.mark.mpi
-@pytest.mark.parametrize("n, layout", [(4, "dp=2,pp=2"), (4, "tp=2,dp=2"), (4, "dom=2x2"), (2, "")])
-def test_mesh_subcommunicators(n, layout):
-    run_mpi(n, [os.path.join(HERE, "mesh_worker.py"), layout], timeout=120)
+@pytest.mark.parametrize("n, layout", LAYOUTS)
+def test_mesh_subcommunicators(mesh_runs, n, layout):
+    ok = [ln for ln in mesh_runs[n].splitlines() if ln.startswith(f"mesh ok {layout!r} ")]
+    assert sorted(int(ln.split()[3]) for ln in ok) == list(range(n)), mesh_runs[n]
