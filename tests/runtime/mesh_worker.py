@@ -21,4 +21,5 @@ for layout in sys.argv[1:] or [""]:
         got = c.allgather(torch.tensor([world.rank], dtype=torch.int64)).tolist()
         want = [mesh._rank_of({**mesh.coords, dim: i}) for i in range(mesh.size(dim))]
         assert got == want, (layout, dim, got, want)
-    print(f"mesh ok {layout!r} {world.rank} {mesh.coords}", flush=True)
+    sys.stdout.write(f"mesh ok {layout!r} {world.rank} {mesh.coords}\n")  # one write per line
+    sys.stdout.flush()
