@@ -392,6 +392,8 @@ def run(layers: int = 4, d_model: int = 512, heads: int = 8, seq_len: int = 256,
                 f.write("\n")
             print(f"  wrote {json_path}")
     if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+        from hpctrain.bench.workload import _destroy_gloo
+
+        _destroy_gloo(world)
     world.mpi_comm.Barrier()
     return 0

@@ -218,9 +218,15 @@ def train_step(par, x) -> None:
 
 
 def _destroy_gloo(world) -> None:
+    """End the gloo group so that its worker threads stop now: a thread still alive at
+    interpreter exit may drop a tensor's Python object there and abort the process."""
+    import gc
+
     import torch.distributed as dist
 
+    dist.barrier()  # every queued gloo op has run and let go of its tensors
     dist.destroy_process_group()
+    gc.collect()  # the baselines' meshes and modules that still held the group
 
 
 def _start_horovod(world) -> None:
