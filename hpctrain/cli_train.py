@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from hpctrain.config import ConfigError, load_config, parse_assignment
+from hpctrain.config import ConfigError, _field_type, load_config, parse_assignment
 from hpctrain.errors import NONFINITE_EXIT_CODE, UsageError, UserInputError
 
 __all__ = ["TRAIN_FLAGS", "BOOL_FLAGS", "add_train_parser", "cmd_train"]
@@ -26,7 +26,6 @@ def _ranks_per_node(text: str) -> int:
     return value
 
 
-# flag -> (section, key); the flags override the TOML file.
 SHARDED = "<zero or fsdp>"  # a flag for the table of the plan's sharded flavour
 
 
@@ -93,7 +92,8 @@ def _field(section: str, key: str):
 
     from hpctrain.config import Config
 
-    holder = getattr(Config(), "zero" if section == SHARDED else section)
+    holder = {f.name: f for f in dataclasses.fields(Config)}["zero" if section == SHARDED
+                                                              else section].default_factory
     return next(f for f in dataclasses.fields(holder) if f.name == key)
 
 
@@ -105,10 +105,6 @@ def _flag_help(section: str, key: str) -> str:
     if choices and "," not in text:  # a help that lists them already is left alone
         text += ": " + ", ".join(c for c in choices if c)
     return f"{text} ({where}.{key})"
-
-
-def _flag_type(section: str, key: str):
-    return {"int": int, "float": float, "str": str}[_field(section, key).type]
 
 
 TRAIN_EPILOG = f"""exit codes: 0 trained; 1 an error while training (the message says which);
@@ -126,7 +122,7 @@ def add_train_parser(sub) -> None:
     t.add_argument("--config", metavar="FILE.toml", help="TOML config; flags override it")
     for name, (section, key, *tp) in TRAIN_FLAGS.items():
         t.add_argument("--" + name.replace("_", "-"), dest=name,
-                       type=tp[0] if tp else _flag_type(section, key),
+                       type=tp[0] if tp else _field_type(_field(section, key)),
                        help=_flag_help(section, key))
     for name, (section, key) in BOOL_FLAGS.items():
         t.add_argument("--" + name.replace("_", "-"), dest=name, action="store_true", default=None,

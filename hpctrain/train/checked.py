@@ -14,6 +14,7 @@ import torch
 
 from hpctrain.config import Config
 from hpctrain.data.sampler import collate
+from hpctrain.data.structure import to_device
 from hpctrain.models.registry import BuiltModel
 from hpctrain.parallel.plan import ParallelPlan
 from hpctrain.train.dropout import check_dropout
@@ -38,7 +39,7 @@ def check_run(cfg: Config, plan: ParallelPlan, built: BuiltModel) -> CheckedRun:
     """Check the model against cfg's validated plan (``cfg.check(world_size)``): dropout
     the plan cannot give one process's masks, a loss whose count the tokens weighting cannot
     tell, the tensor-parallel split and its loss, the domain split of every op of the
-    forward. Raises ConfigError / UsageError / ValueError; no communication."""
+    forward (on two whole samples; the domain transform itself then needs no sample). Raises ConfigError / UsageError / ValueError; no communication."""
     weighting = LossWeighting(cfg.train.loss_weight, cfg.train.ignore_index)
     notes = (check_dropout(plan, built.model, built.dataset, cfg.train.per_rank_dropout),
              check_loss_count(weighting, built.model, built.dataset, built.loss_fn))
@@ -50,5 +51,7 @@ def check_run(cfg: Config, plan: ParallelPlan, built: BuiltModel) -> CheckedRun:
     if plan.domain and isinstance(built.model, torch.nn.Module):
         from hpctrain.parallel.domain.functional import check as check_domain
 
-        check_domain(built.model, collate(built.dataset, range(min(2, len(built.dataset))))[0])
+        x = collate(built.dataset, range(min(2, len(built.dataset))))[0]
+        device = next((p.device for p in built.model.parameters()), torch.device("cpu"))
+        check_domain(built.model, to_device(x, device))
     return CheckedRun(plan, weighting, tuple(n for n in notes if n))

@@ -10,7 +10,6 @@ import torch
 
 from hpctrain.config import Config, ConfigError, TrainSection
 from hpctrain.parallel import registry
-from hpctrain.parallel.registry import SHARDED_FLAVOURS, STRATEGY_TABLE
 
 __all__ = ["make_optimizer_factory", "check_optimizer", "optimizer_class", "plan_options",
            "strategy_options", "NOT_SHARDABLE"]
@@ -93,7 +92,8 @@ def check_optimizer(t: TrainSection, flavour: str | None = None) -> None:
     if cls is not None and cls.__name__ in UNDRIVABLE:
         raise ConfigError(f"train.optimizer = {t.optimizer!r}: {UNDRIVABLE[cls.__name__]}; "
                           f"pick another optimizer")
-    if cls is not None and cls.__name__ in NOT_SHARDABLE and flavour in SHARDED_FLAVOURS:
+    if (cls is not None and cls.__name__ in NOT_SHARDABLE
+            and flavour in registry.SHARDED_FLAVOURS):
         raise ConfigError(f"train.optimizer = {t.optimizer!r} does not update element by "
                           f"element, so it cannot run on the flat shards of {flavour}; use an "
                           f"elementwise optimizer (AdamW, SGD, Adagrad, ...) or a ddp/single plan")
@@ -149,7 +149,7 @@ def _options(section, spec: str, given: dict):
 
 def strategy_options(cfg: Config):
     """The typed options of the strategy's own table (None for single)."""
-    table = STRATEGY_TABLE.get(cfg.train.strategy)
+    table = registry.STRATEGY_TABLE.get(cfg.train.strategy)
     return plan_options(cfg)[table] if table else None
 
 

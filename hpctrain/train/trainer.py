@@ -172,6 +172,9 @@ class Trainer:
         if checked is None:
             plan = self.plan = cfg.check(world.size)  # errors from here on name the plan
             self.built = built if built is not None else build_model(cfg, plan=plan)
+            # the model against the plan (dropout, the loss's count, the tensor and domain
+            # splits): refused on every rank alike, before any collective
+            checked = check_run(cfg, plan, self.built)
         else:
             if checked.plan.world_size != world.size:
                 raise ValueError(f"the run was checked for {checked.plan.world_size} ranks, "
@@ -182,11 +185,6 @@ class Trainer:
         RECORDER.enabled = cfg.runtime.flight_recorder
         if cfg.train.trace_dir:  # --trace: this rank's events, merged at the end of fit()
             TIMELINE.enable(cfg.train.trace_dir, world.rank)
-        if checked is None:
-            # dropout whose masks the plan cannot make one process's, a loss whose count the
-            # tokens weighting cannot tell: refused (every rank alike, before any
-            # collective), else said once
-            checked = check_run(cfg, plan, self.built)
         self.plan, self.weighting = checked.plan, checked.weighting
         for note in checked.notes:
             if world.is_main:
@@ -216,13 +214,6 @@ class Trainer:
             device = next(model.parameters()).device
             options["pipeline"].sample = to_device(collate(data, range(min(2, len(data))))[0],
                                                    device)
-        elif self.plan.domain and isinstance(self.built.model, torch.nn.Module):
-            # Every op of the forward is checked on two whole samples before any collective.
-            from dataclasses import replace
-
-            data = self.built.dataset
-            options["domain"] = replace(options["domain"],
-                                        sample=collate(data, range(min(2, len(data))))[0])
         if has_deferred(self.built.model) and world.is_main:
             print("hpctrain: deferred init: the model was built on the meta device; each rank "
                   "fills only the part it keeps, layer by layer", flush=True)

@@ -33,13 +33,12 @@ def test_each_section_is_its_options_class(table):
 
 def test_everything_that_names_a_strategy_derives_from_the_registry():
     import hpctrain.parallel as parallel
-    from hpctrain.train import strategy
 
     assert config.STRATEGIES == parallel.STRATEGIES == registry.STRATEGIES
     assert set(registry.TABLES) == set(registry.OPTIONS)
     assert dict(dataclasses.fields(config.TrainSection)[1].metadata)["choices"] == \
         registry.STRATEGIES
-    assert strategy.SHARDED_FLAVOURS == ("zero1", "zero2", "zero3", "fsdp")
+    assert registry.SHARDED_FLAVOURS == ("zero1", "zero2", "zero3", "fsdp")
     for f in registry.FLAVOURS:
         assert callable(importlib.import_module(f.module).wrap), f.name
     for d in registry.DIMENSIONS:  # each dimension: a mesh key, a table, composes both ways
