@@ -106,10 +106,11 @@ def _timing_the_wrapper(acc: list):
     wrapper's wait/test): the op's time minus its backend's. The wrapper is rebuilt around a
     timed backend, so it is the real one, timed where it runs: inside a step, caches cold."""
     from hpctrain.runtime.comm import Communicator, recording
+    from hpctrain.runtime.comm.base import BLOCKING_OPS, NONBLOCKING_OPS
 
     saved = {}
-    for name in recording.BLOCKING_OPS + recording.NONBLOCKING_OPS:
-        nb = name in recording.NONBLOCKING_OPS
+    for name in BLOCKING_OPS + NONBLOCKING_OPS:
+        nb = name in NONBLOCKING_OPS
         saved[name] = method = Communicator.__dict__[name]
         wrapped = recording._recorded(name, _timed(method.__wrapped__, -1, nb, acc), nb)
         setattr(Communicator, name, _timed(wrapped, +1, nb, acc))

@@ -12,7 +12,7 @@ import torch
 
 from hpctrain.runtime import flight
 from hpctrain.runtime.abort import _context, set_context
-from hpctrain.runtime.comm import base, recording
+from hpctrain.runtime.comm import Request, base, recording
 from hpctrain.runtime.comm.recording import _recorded
 from hpctrain.runtime.flight import (MIRROR_SIZE, NAME_SLOTS, FlightRecorder, dtype_name,
                                      read_mirror)
@@ -199,7 +199,7 @@ def test_a_recorded_request_ends_its_entry_once(recorder):
     iallreduce = _recorded("iallreduce", lambda self, t, op="sum": _Request(done_after=1),
                                True)
     req = iallreduce(_Comm(), torch.ones(4, dtype=torch.float64))
-    assert isinstance(req, base.Request)
+    assert isinstance(req, Request)
     (e,) = recorder.pending.values()
     assert (e.op, e.nbytes, e.dtype, e.peer, e.seq) == ("iallreduce", 32, "float64", None, 1)
     assert req.test() is False and e.end is None

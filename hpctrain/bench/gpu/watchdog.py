@@ -128,7 +128,7 @@ def _behind(ctx, rep) -> None:
 
 def run(ctx, rep) -> None:
     if ctx.device == "cuda":
-        rep.note("world size 1: communicators record nothing at size 1 (base.py), so the "
+        rep.note("world size 1: communicators record nothing at size 1 (recording.py), so the "
                  "worker records its op as the wrapper records an NCCL op (RECORDER.start, "
                  "then end_on_device with the CUDA-event marker) and runs a Watchdog thread "
                  "itself (start_watchdog starts none for one rank)")

@@ -7,7 +7,7 @@ must report it (the process then ends by the watchdog's abort, exit code 1). CAS
 ops each queued behind a kernel shorter than the timeout, the host one op ahead of the
 device, for several timeouts; nothing may be reported (exit 0, one JSON line of figures).
 
-One process is world size 1, where communicators record nothing (base.py: size-1 groups
+One process is world size 1, where communicators record nothing (recording.py: size-1 groups
 cannot stall); the op is therefore recorded as the communicator wrapper records an NCCL
 op: ``RECORDER.start`` before it, ``RECORDER.end_on_device(entry, marker)`` after it, the
 marker a CUDA event behind it on the current stream (runtime/comm/markers.py, as torchdist uses it). On cuda the

@@ -5,8 +5,9 @@ Parallel strategies speak only :class:`Communicator`. The backends are imported 
 use, so importing the interface does not initialise MPI or torch.distributed.
 """
 
-from .base import (OPS, SUPPORTED_DTYPES, CollectiveRequest, Communicator, CompletedRequest,
-                   NullCommunicator, Request, wait_all)
+from .base import OPS, SUPPORTED_DTYPES, Communicator
+from .null import NullCommunicator
+from .requests import CollectiveRequest, CompletedRequest, Request, wait_all
 from . import recording
 
 recording.install()  # every backend's public ops are recorded alike

@@ -2,21 +2,26 @@
 
 ``Communicator`` holds the input checks, the size-1 fast paths and the bool handling once;
 a backend implements only the ``_``-prefixed hooks, which receive tensors that are already
-validated, detached and contiguous, and an ``out`` of the right shape. The flight
-recorder's wrappers around the public operations are put on the class by ``recording.py``
-when the ``hpctrain.runtime.comm`` package is imported.
+validated, detached and contiguous, and an ``out`` of the right shape. The handles the
+non-blocking calls return are in ``requests.py``; the flight recorder's wrappers around the
+public operations are put on the class by ``recording.py`` when the
+``hpctrain.runtime.comm`` package is imported.
 """
 
 from __future__ import annotations
 
 import numbers
-from abc import ABC, abstractmethod, update_abstractmethods
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import torch
 
-__all__ = ["OPS", "BLOCKING_OPS", "NONBLOCKING_OPS", "SUPPORTED_DTYPES", "AllRequests", "CollectiveRequest", "Communicator",
-           "CompletedRequest", "NullCommunicator", "Request", "box_index", "wait_all"]
+from hpctrain.runtime.comm.exchange import BoxesExchange
+from hpctrain.runtime.comm.requests import (AllRequests, CollectiveRequest, CompletedRequest,
+                                            Request, UnpackRequest)
+
+__all__ = ["OPS", "BLOCKING_OPS", "BLOCKING_FORM", "NONBLOCKING_OPS", "SUPPORTED_DTYPES",
+           "Communicator", "box_index"]
 
 #: The Communicator's operations (the flight recorder wraps each one): blocking ones end
 #: when the call returns, non-blocking ones when their request completes.
@@ -24,6 +29,9 @@ BLOCKING_OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoa
                 "allreduce_scalars", "send", "recv", "split")
 NONBLOCKING_OPS = ("iallreduce", "iallgather", "ireduce_scatter", "isend", "irecv",
                    "p2p_group", "isend_boxes", "irecv_boxes")
+#: The blocking operation each non-blocking one starts ("iallreduce" -> "allreduce"): what a
+#: record of either moves, counted or replayed alike.
+BLOCKING_FORM = {op: op[1:] for op in NONBLOCKING_OPS if op[1:] in BLOCKING_OPS}
 
 #: Reduction op names accepted by ``allreduce``, ``reduce_scatter`` and ``allreduce_scalars``.
 OPS = ("sum", "avg", "max", "min", "prod")
@@ -34,100 +42,6 @@ SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
 
 # Bool tensors are reduced as their uint8 bytes (0/1): max is logical or, min is logical and.
 _BOOL_OPS = ("max", "min")
-
-
-class Request(ABC):
-    """Handle of a non-blocking operation."""
-
-    @abstractmethod
-    def wait(self) -> None:
-        """Block until the operation completes."""
-
-    @abstractmethod
-    def test(self) -> bool:
-        """Return True if the operation has completed, without blocking."""
-
-
-class CompletedRequest(Request):
-    """A request that was finished when it was made (local copies, size-1 fast paths).
-
-    ``out`` is the result tensor of a non-blocking collective (None otherwise); ``wait()``
-    returns it, as :class:`CollectiveRequest` does."""
-
-    def __init__(self, out: torch.Tensor | None = None):
-        self.out = out
-
-    def wait(self) -> torch.Tensor | None:
-        """Return ``out`` at once: there is nothing to wait for."""
-        return self.out
-
-    def test(self) -> bool:
-        """Return True: the operation is already complete."""
-        return True
-
-
-class CollectiveRequest(Request):
-    """A started non-blocking collective (``iallreduce``, ``iallgather``, ``ireduce_scatter``).
-
-    ``out`` is the tensor the result lands in (the input itself for ``iallreduce``); it is
-    valid only once the request is complete: after ``wait()`` (which returns ``out``) or a
-    ``test()`` that returned True. ``finish`` runs once on completion, before ``out`` is
-    valid: the backend's copy back from a staging buffer, the division of an average.
-    ``keep`` holds what the backend reads or writes (numpy views, staging buffers) until then.
-    """
-
-    def __init__(self, request: Request, out: torch.Tensor | None = None, finish=None,
-                 keep=None):
-        self.out = out
-        self._request, self._finish, self._keep = request, finish, keep
-        self._done = False
-
-    def wait(self) -> torch.Tensor | None:
-        """Block until the collective completes (the backend's blocking wait, as the blocking
-        collectives do; ``idle.wait_idle(req)`` or ``wait_all(reqs, idle=True)`` sleep
-        between polls instead), then return ``out``."""
-        if not self._done:
-            self._request.wait()
-            if self._finish is not None:
-                self._finish()
-            self._done, self._request, self._finish, self._keep = True, None, None, None
-        return self.out
-
-    def test(self) -> bool:
-        """Return True (with ``out`` valid) if the collective has completed, without blocking."""
-        if not self._done and self._request.test():
-            self.wait()  # complete: finishes it without blocking
-        return self._done
-
-
-class AllRequests(Request):
-    """Several requests completed together."""
-
-    def __init__(self, requests: list):
-        self._requests = requests
-
-    def wait(self) -> None:
-        """Block until every request has completed."""
-        for r in self._requests:
-            r.wait()
-        self._requests = []
-
-    def test(self) -> bool:
-        """Return True if every request has completed, without blocking."""
-        self._requests = [r for r in self._requests if not r.test()]
-        return not self._requests
-
-
-def wait_all(requests, idle: bool = False) -> list:
-    """Wait for every request, in the order given, and return what each ``wait()`` returned
-    (the ``out`` of a collective request, None for point-to-point ones). ``idle``: sleep
-    between polls (``idle.wait_idle``) instead of the backend's blocking wait, so a waiting
-    rank leaves its core to a computing one."""
-    if idle:
-        from hpctrain.runtime.comm.idle import wait_idle
-        for r in requests:
-            wait_idle(r)
-    return [r.wait() for r in requests]
 
 
 class Communicator(ABC):
@@ -429,11 +343,9 @@ class Communicator(ABC):
         """Default: receive into one buffer and unpack it into the boxes on wait()."""
         views = [tensor[box_index(b)] for b in boxes]
         buf = torch.empty(sum(v.numel() for v in views), dtype=tensor.dtype, device=tensor.device)
-        return _Unpack(self._irecv(buf, source, tag), buf, views)
+        return UnpackRequest(self._irecv(buf, source, tag), buf, views)
 
     def _boxes_exchange(self, recvs, sends):
-        from hpctrain.runtime.comm.exchange import BoxesExchange
-
         return BoxesExchange(self, recvs, sends)
 
     @abstractmethod
@@ -557,69 +469,6 @@ class Communicator(ABC):
 def box_index(box) -> tuple:
     """The index expression of a box ((start, stop) per trailing dim)."""
     return (Ellipsis,) + tuple(slice(lo, hi) for lo, hi in box)
-
-
-class _Unpack(Request):
-    """A receive into a packed buffer that is copied out into the views once complete."""
-
-    def __init__(self, request: Request, buffer: torch.Tensor, views: list):
-        self._request, self._buffer, self._views = request, buffer, views
-
-    def _unpack(self) -> None:
-        if self._views is None:
-            return
-        start = 0
-        for v in self._views:
-            v.copy_(self._buffer[start:start + v.numel()].view(v.shape))
-            start += v.numel()
-        self._views = self._buffer = None
-
-    def wait(self) -> None:
-        """Block until the message has arrived, then fill the views."""
-        self._request.wait()
-        self._unpack()
-
-    def test(self) -> bool:
-        """Return True (and fill the views) if the message has arrived, without blocking."""
-        done = self._request.test()
-        if done:
-            self._unpack()
-        return done
-
-
-class NullCommunicator(Communicator):
-    """The communicator of a rank outside a group: it is inactive and refuses to communicate."""
-
-    rank = -1
-    size = 0
-    device = torch.device("cpu")
-    is_active = False
-
-    def __init__(self, backend: str = "none"):
-        self.backend = backend
-
-    def free(self) -> None:
-        """Do nothing: a NullCommunicator holds no resources."""
-
-    _free = free
-
-
-def _not_member(name: str):
-    def method(self, *args, **kwargs):
-        raise RuntimeError(
-            f"{name}() on a NullCommunicator: this rank is not a member of this communicator "
-            "(it passed color=None to split); check comm.is_active before communicating")
-    method.__name__ = name
-    method.__doc__ = f"Raise RuntimeError: this rank is not a member, so it cannot {name}."
-    return method
-
-
-# Public methods and backend hooks alike raise on a NullCommunicator.
-for _name in BLOCKING_OPS + NONBLOCKING_OPS + ("boxes_exchange",):
-    setattr(NullCommunicator, _name, _not_member(_name))
-    setattr(NullCommunicator, "_" + _name, _not_member(_name))
-update_abstractmethods(NullCommunicator)
-del _name
 
 
 def _wire(tensor: torch.Tensor) -> torch.Tensor:

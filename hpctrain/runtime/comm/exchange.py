@@ -13,9 +13,9 @@ from collections.abc import Sequence
 
 import torch
 
-from hpctrain.runtime.comm.base import AllRequests, Request
+from hpctrain.runtime.comm.requests import AllRequests, Request
 
-__all__ = ["AllRequests", "BoxesExchange"]  # AllRequests lives in base; kept importable here
+__all__ = ["BoxesExchange"]
 
 
 def _check_messages(comm, messages, what: str) -> tuple:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import torch
 from mpi4py import MPI
 
-from .base import CollectiveRequest, Communicator, NullCommunicator, Request
+from .base import Communicator
+from .null import NullCommunicator
+from .requests import CollectiveRequest, Request
 
 __all__ = ["MPICommunicator", "MPIRequest", "MPIRequests", "world"]
 

@@ -10,10 +10,11 @@ module's globals at each call (tests swap it).
 
 from __future__ import annotations
 
-from hpctrain.runtime.comm.base import BLOCKING_OPS, NONBLOCKING_OPS, Communicator, Request
+from hpctrain.runtime.comm.base import BLOCKING_OPS, NONBLOCKING_OPS, Communicator
+from hpctrain.runtime.comm.requests import Request
 from hpctrain.runtime.flight import RECORDER as _RECORDER, group_key
 
-__all__ = ["BLOCKING_OPS", "NONBLOCKING_OPS", "install"]
+__all__ = ["install"]
 
 
 

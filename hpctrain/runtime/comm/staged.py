@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from .base import CollectiveRequest, Communicator, NullCommunicator, _Unpack, box_index
+from .base import Communicator, box_index
+from .null import NullCommunicator
+from .requests import CollectiveRequest, UnpackRequest
 from .mpi import MPICommunicator
 
 __all__ = ["StagedCommunicator"]
@@ -175,7 +177,7 @@ class StagedCommunicator(Communicator):
         filling other boxes of the same tensor at the same time."""
         views = [tensor[box_index(b)] for b in boxes]
         h = self._empty(tensor, (sum(v.numel() for v in views),))
-        return _Unpack(self._inner._irecv(h, source, tag), h, views)
+        return UnpackRequest(self._inner._irecv(h, source, tag), h, views)
 
     # ---- management --------------------------------------------------------------------
 

@@ -14,7 +14,9 @@ import socket
 import torch
 import torch.distributed as dist
 
-from .base import AllRequests, CollectiveRequest, Communicator, NullCommunicator, Request
+from .base import Communicator
+from .null import NullCommunicator
+from .requests import AllRequests, CollectiveRequest, Request
 from .markers import stream_marker as _stream_marker
 from .mpi import MPICommunicator
 
