@@ -28,8 +28,15 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from hpctrain.parallel.domain.grid_reduce import GridReduce
+from hpctrain.parallel.domain.groupnorm import DomainGroupNorm
 from hpctrain.parallel.domain.layers import (DomainConv, DomainConvFn, DomainLinearUp, DomainPool,
                                              DomainUpsample, DomainWindowOp, domain_upsample)
+from hpctrain.parallel.domain.op_rules import (ALL_DIMS, ALONG, CONV_ARGS, EXACT, INTERP_ARGS,
+                                               LINEAR_MODES, META, POOL_ARGS, POOL_DEFAULTS,
+                                               REQUIRED, SECOND_DIM, SHAPE, arg, bind, dims_of,
+                                               hashable, is_pointwise, op_name, tensors_in)
+from hpctrain.parallel.sync_batchnorm import SyncBatchNorm
 
 __all__ = ["DomainFunctions", "check", "spatial_ndim"]
 
@@ -65,147 +72,6 @@ def _where() -> str:
         rel = os.path.relpath(path)
         return f"{path if rel.startswith('..') else rel}:{fr.lineno} ({(fr.line or '').strip()})"
     return "an unknown line"
-
-
-def _op_name(func) -> str:
-    name = getattr(func, "__name__", repr(func))
-    mod = getattr(func, "__module__", None) or ""
-    if name == "__get__":
-        return f"Tensor.{func.__self__.__name__}"
-    for sub in ("fft", "linalg", "special"):  # torch.fft.fft2 is torch._C._fft.fft_fft2
-        if mod == f"torch._C._{sub}":
-            return f"torch.{sub}.{name.removeprefix(sub + '_')}"
-    if mod.startswith("torch.nn.functional") or mod.startswith("torch._C._nn"):
-        return f"torch.nn.functional.{name}"
-    if mod == "torch" or getattr(func, "__self__", None) is torch._C._VariableFunctions:
-        return f"torch.{name}"
-    return f"Tensor.{name}" if hasattr(torch.Tensor, name) else name
-
-
-_DUNDER = {"truediv": "div", "floordiv": "floor_divide", "mod": "remainder", "and": "bitwise_and",
-           "or": "bitwise_or", "xor": "bitwise_xor", "invert": "bitwise_not", "abs": "abs"}
-# Point-wise ops aten does not tag as such (composites, conversions, masks drawn per element).
-_EXTRA_POINTWISE = {
-    "to", "type", "float", "double", "half", "bfloat16", "cpu", "cuda", "contiguous", "clone",
-    "detach", "detach_", "type_as", "dropout", "dropout_", "alpha_dropout", "relu6",
-    "hardswish", "hardsigmoid", "softsign", "tanhshrink", "threshold", "logsigmoid", "selu",
-    "celu", "masked_fill", "masked_fill_", "where", "zeros_like", "ones_like", "empty_like",
-    "full_like", "rand_like", "randn_like", "nan_to_num", "expand", "expand_as", "broadcast_to",
-    "repeat", "maximum", "minimum", "fmax", "fmin"}
-_META = {"size", "dim", "__len__", "is_contiguous", "is_floating_point", "is_complex",
-         "element_size", "stride", "data_ptr", "__repr__", "__format__", "__str__",
-         "get_device", "storage_offset", "requires_grad_", "retain_grad", "register_hook",
-         "__set__"}
-_pointwise_cache: dict = {}
-
-
-def _is_pointwise(name: str) -> bool:
-    if name in _pointwise_cache:
-        return _pointwise_cache[name]
-    base = name.strip("_")
-    cands = [base, _DUNDER.get(base, ""), base[1:] if base[:1] in "ri" else "",
-             _DUNDER.get(base[1:], "") if base[:1] in "ri" else ""]
-    ok = name in _EXTRA_POINTWISE
-    for c in filter(None, cands):
-        packet = getattr(torch.ops.aten, c, None)
-        if isinstance(packet, torch._ops.OpOverloadPacket) and any(
-                torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads()):
-            ok = True
-            break
-    _pointwise_cache[name] = ok
-    return ok
-
-
-# Ops along one dim (or a list of them): fine while that dim is not a split one.
-# name -> (position, keyword, default); _ALL: missing means every dim; _REQ: must be given.
-_ALL, _REQ = object(), object()
-_ALONG = {
-    "softmax": (1, "dim", _REQ), "log_softmax": (1, "dim", _REQ), "cumsum": (1, "dim", _REQ),
-    "cumprod": (1, "dim", _REQ), "logcumsumexp": (1, "dim", _REQ), "cummax": (1, "dim", _REQ),
-    "cummin": (1, "dim", _REQ), "split": (2, "dim", 0), "chunk": (2, "dim", 0),
-    "tensor_split": (2, "dim", 0), "narrow": (1, "dim", _REQ), "select": (1, "dim", _REQ),
-    "index_select": (1, "dim", _REQ), "unbind": (1, "dim", 0), "roll": (2, "dims", _REQ),
-    "sort": (1, "dim", -1), "argsort": (1, "dim", -1), "topk": (2, "dim", -1),
-    "kthvalue": (2, "dim", -1), "squeeze": (1, "dim", _REQ), "normalize": (2, "dim", 1),
-    "transpose": (1, "dim0", _REQ), "swapaxes": (1, "axis0", _REQ), "swapdims": (1, "dim0", _REQ),
-    # reductions that are not made exact: fine over batch/channel dims only
-    "std": (1, "dim", _ALL), "var": (1, "dim", _ALL), "prod": (1, "dim", _ALL),
-    "norm": (2, "dim", _ALL), "logsumexp": (1, "dim", _REQ), "argmax": (1, "dim", _ALL),
-    "argmin": (1, "dim", _ALL), "all": (1, "dim", _ALL), "any": (1, "dim", _ALL),
-    "count_nonzero": (1, "dim", _ALL), "median": (1, "dim", _ALL), "nansum": (1, "dim", _ALL),
-    "nanmean": (1, "dim", _ALL), "std_mean": (1, "dim", _ALL), "var_mean": (1, "dim", _ALL),
-    "max": (1, "dim", _ALL), "min": (1, "dim", _ALL),
-}
-_SECOND_DIM = {"transpose": (2, "dim1"), "swapaxes": (2, "axis1"), "swapdims": (2, "dim1")}
-_EXACT = {"sum": "sum", "mean": "mean", "amax": "amax", "amin": "amin"}
-_SHAPE = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
-_POOL_ARGS = {  # F signatures after the input
-    "max": ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices"),
-    "avg": ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad",
-            "divisor_override")}
-_POOL_DEFAULTS = {"stride": None, "padding": 0, "dilation": 1, "ceil_mode": False,
-                  "return_indices": False, "count_include_pad": True, "divisor_override": None}
-_CONV_ARGS = ("weight", "bias", "stride", "padding", "dilation", "groups")
-_INTERP_ARGS = ("size", "scale_factor", "mode", "align_corners", "recompute_scale_factor",
-                "antialias")
-
-
-def _bind(names, defaults, args, kwargs) -> dict:
-    out = dict(defaults)
-    out.update(zip(names, args[1:]))
-    out.update(kwargs)
-    return out
-
-
-def _arg(args, kwargs, pos, kw, default):
-    if kw in kwargs:
-        return kwargs[kw]
-    return args[pos] if len(args) > pos else default
-
-
-def _dims(value, ndim) -> list:
-    vals = list(value) if isinstance(value, (tuple, list, torch.Size)) else [value]
-    return sorted({int(v) % ndim for v in vals}) if ndim else []
-
-
-class _GridReduce(torch.autograd.Function):
-    """y = the sum (mean, max, min) over the whole grid of x's tiles, on every rank.
-
-    Forward reduces the tile partials over the domain group. y is a copy on every rank, each
-    copy feeding only that rank's tile, so the adjoint first SUMS the copies' gradients over
-    the group, then spreads them as the one-process op does (max: over the grid's ties)."""
-
-    @staticmethod
-    def forward(ctx, x, dims, keepdim, op, comm, count):
-        if op in ("sum", "mean"):
-            y = x.sum(dims, keepdim=True)
-            comm.allreduce(y, "sum")
-            if op == "mean":
-                y = y / count
-        else:
-            y = (x.amax if op == "amax" else x.amin)(dims, keepdim=True).contiguous()
-            comm.allreduce(y, "max" if op == "amax" else "min")
-            ctx.save_for_backward(x, y)
-        ctx.dims, ctx.keepdim, ctx.op, ctx.comm, ctx.count, ctx.shape = (
-            dims, keepdim, op, comm, count, x.shape)
-        return y if keepdim else y.squeeze(dims)
-
-    @staticmethod
-    def backward(ctx, g):
-        if not ctx.keepdim:
-            for d in ctx.dims:
-                g = g.unsqueeze(d)
-        g = ctx.comm.allreduce(g.contiguous().clone(), "sum")
-        if ctx.op == "sum":
-            gx = g.expand(ctx.shape)
-        elif ctx.op == "mean":
-            gx = (g / ctx.count).expand(ctx.shape)
-        else:
-            x, y = ctx.saved_tensors
-            hit = (x == y).to(g.dtype)
-            n = ctx.comm.allreduce(hit.sum(ctx.dims, keepdim=True).contiguous(), "sum")
-            gx = hit * (g / n)
-        return gx, None, None, None, None, None
 
 
 class DomainFunctions(TorchFunctionMode):
@@ -249,9 +115,6 @@ class DomainFunctions(TorchFunctionMode):
     def watch(self, model: nn.Module, check: bool) -> list:
         """Route the layers convert.py handles (the originals when ``check``, else the
         converted ones) through ``_layer``; returns handles whose ``remove()`` undoes it."""
-        from hpctrain.parallel.domain.groupnorm import DomainGroupNorm
-        from hpctrain.parallel.sync_batchnorm import SyncBatchNorm
-
         handles = []
         for m in model.modules():
             if check:
@@ -269,7 +132,7 @@ class DomainFunctions(TorchFunctionMode):
         its output is split when its input is."""
         if not self._on or self.depth:  # outside the forward, or inside one of our layers
             return forward(*args, **kwargs)
-        kinds = [getattr(t, self._mark, None) for t in _tensors(args, kwargs)]
+        kinds = [getattr(t, self._mark, None) for t in tensors_in(args, kwargs)]
         split = any(k is not None for k in kinds)
         window = isinstance(module, (nn.modules.conv._ConvNd, *_POOLS, nn.Upsample,
                                      DomainWindowOp))
@@ -316,7 +179,7 @@ class DomainFunctions(TorchFunctionMode):
         if self.depth:
             return func(*args, **kwargs)
         mark = self._mark
-        for t in _tensors(args, kwargs):
+        for t in tensors_in(args, kwargs):
             if hasattr(t, mark):
                 return self._on_split(func, args, kwargs)
         return func(*args, **kwargs)
@@ -331,14 +194,14 @@ class DomainFunctions(TorchFunctionMode):
 
     def _on_split(self, func, args, kwargs):
         name = getattr(func, "__name__", "")
-        if name in _META or name == "__get__" and func.__self__.__name__ in (
+        if name in META or name == "__get__" and func.__self__.__name__ in (
                 "shape", "ndim", "dtype", "device", "requires_grad", "is_cuda", "layout",
                 "is_leaf", "grad_fn", "names"):
             return func(*args, **kwargs)
         if name == "__get__":
             if func.__self__.__name__ in ("data", "grad", "real", "imag"):
                 return self._tag(func(*args, **kwargs), self.kind(args[0]))
-            self._refuse(_op_name(func), "reorders or mixes the dims of a tile")
+            self._refuse(op_name(func), "reorders or mixes the dims of a tile")
         if name in ("max", "min", "maximum", "minimum") and (
                 len(args) > 1 and isinstance(args[1], torch.Tensor) or "other" in kwargs):
             return self._pointwise(func, args, kwargs)
@@ -347,11 +210,11 @@ class DomainFunctions(TorchFunctionMode):
             return self._window(func, name, args, kwargs)
         if name.startswith(("adaptive_avg_pool", "adaptive_max_pool")):
             return self._adaptive(func, name, args, kwargs)
-        if name in _EXACT or name in ("max", "min"):
+        if name in EXACT or name in ("max", "min"):
             return self._reduce(func, name, args, kwargs)
-        if name in _ALONG:
+        if name in ALONG:
             return self._along(func, name, args, kwargs)
-        if name in _SHAPE:
+        if name in SHAPE:
             return self._reshape(func, args, kwargs)
         if name in ("permute", "movedim", "moveaxis"):
             return self._permute(func, name, args, kwargs)
@@ -365,9 +228,9 @@ class DomainFunctions(TorchFunctionMode):
             return self._setitem(func, args, kwargs)
         if name == "flip":
             return self._flip(func, args, kwargs)
-        if _is_pointwise(name):
+        if is_pointwise(name):
             return self._pointwise(func, args, kwargs)
-        self._refuse(_op_name(func), "is not known to work point by point, and may read across "
+        self._refuse(op_name(func), "is not known to work point by point, and may read across "
                      "the split grid")
 
     # ---- helpers -----------------------------------------------------------------------
@@ -389,13 +252,13 @@ class DomainFunctions(TorchFunctionMode):
         ts = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         kinds = {self.kind(t) for t in ts} - {None}
         if len(kinds) > 1:
-            self._refuse(_op_name(func), "combines a tile with a flattened tile")
+            self._refuse(op_name(func), "combines a tile with a flattened tile")
         kind = kinds.pop()
         n = self._span(kind)
         tile = next(t for t in ts if self.kind(t) is not None).shape[-n:]
         for t in ts:
             if self.kind(t) is None and any(s != 1 for s in t.shape[-n:]):
-                self._refuse(_op_name(func), f"combines a tile with a tensor of shape "
+                self._refuse(op_name(func), f"combines a tile with a tensor of shape "
                              f"{tuple(t.shape)} that is not split but spans the grid's "
                              "dims (it would meet each tile as if it were the whole grid)",
                              "make that tensor size 1 along the spatial dims (broadcast), or "
@@ -403,36 +266,37 @@ class DomainFunctions(TorchFunctionMode):
         out = func(*args, **kwargs)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and tuple(t.shape[-n:]) != tuple(tile):
-                self._refuse(_op_name(func), "changes the extent of the split dims")
+                self._refuse(op_name(func), "changes the extent of the split dims")
         return self._tag(out, kind)
 
     def _along(self, func, name, args, kwargs):
         x = args[0]
-        pos, kw, default = _ALONG[name]
-        value = _arg(args, kwargs, pos, kw, default)
-        if value is _REQ or value is None and default is _REQ:
-            self._refuse(_op_name(func), "has no dim given (it would act on the split dims)",
+        pos, kw, default = ALONG[name]
+        value = arg(args, kwargs, pos, kw, default)
+        if value is REQUIRED or value is None and default is REQUIRED:
+            self._refuse(op_name(func), "has no dim given (it would act on the split dims)",
                          "pass dim= a batch or channel dim")
-        dims = list(range(x.dim())) if value is _ALL or value is None else _dims(value, x.dim())
-        if name in _SECOND_DIM:
-            dims += _dims(_arg(args, kwargs, *_SECOND_DIM[name], 0), x.dim())
+        every = value is ALL_DIMS or value is None
+        dims = list(range(x.dim())) if every else dims_of(value, x.dim())
+        if name in SECOND_DIM:
+            dims += dims_of(arg(args, kwargs, *SECOND_DIM[name], 0), x.dim())
         if set(dims) & self._split_dims(x):
-            self._refuse(_op_name(func), f"acts along dim(s) {dims}, which include the split "
+            self._refuse(op_name(func), f"acts along dim(s) {dims}, which include the split "
                          f"spatial dims of a {x.dim()}-d tile")
         return self._tag(func(*args, **kwargs), self.kind(x))
 
     def _flip(self, func, args, kwargs):
         x = args[0]
         dims = kwargs.get("dims", args[1:] if len(args) > 2 else (args[1] if len(args) > 1 else ()))
-        if set(_dims(dims, x.dim())) & self._split_dims(x):
-            self._refuse(_op_name(func), "reverses a split dim")
+        if set(dims_of(dims, x.dim())) & self._split_dims(x):
+            self._refuse(op_name(func), "reverses a split dim")
         return self._tag(func(*args, **kwargs), self.kind(x))
 
     def _unsqueeze(self, func, args, kwargs):
         x = args[0]
-        d = int(_arg(args, kwargs, 1, "dim", 0)) % (x.dim() + 1)
+        d = int(arg(args, kwargs, 1, "dim", 0)) % (x.dim() + 1)
         if d > x.dim() - self._span(self.kind(x)):
-            self._refuse(_op_name(func), "inserts a dim among the split spatial dims")
+            self._refuse(op_name(func), "inserts a dim among the split spatial dims")
         return self._tag(func(*args, **kwargs), self.kind(x))
 
     def _reduce(self, func, name, args, kwargs):
@@ -442,15 +306,15 @@ class DomainFunctions(TorchFunctionMode):
                 return self._along(func, name, args, kwargs)
             op, dims, keep = "a" + name, list(range(x.dim())), False
         else:
-            op = _EXACT[name]
-            value = _arg(args, kwargs, 1, "dim", None)
-            dims = list(range(x.dim())) if value is None or value == [] else _dims(value, x.dim())
-            keep = bool(_arg(args, kwargs, 2, "keepdim", False))
+            op = EXACT[name]
+            value = arg(args, kwargs, 1, "dim", None)
+            dims = list(range(x.dim())) if value is None or value == [] else dims_of(value, x.dim())
+            keep = bool(arg(args, kwargs, 2, "keepdim", False))
         split = self._split_dims(x)
         if not split & set(dims):
             return self._tag(func(*args, **kwargs), self.kind(x))
         if not split <= set(dims):
-            self._refuse(_op_name(func), f"reduces over dims {dims}, some but not all of the "
+            self._refuse(op_name(func), f"reduces over dims {dims}, some but not all of the "
                          f"split spatial dims {sorted(split)}", "reduce over all spatial dims "
                          "at once (e.g. x.mean((2, 3))) or over none")
         return self._grid_reduce(func, x, dims, keep, op, kwargs.get("dtype"), args, kwargs)
@@ -465,15 +329,15 @@ class DomainFunctions(TorchFunctionMode):
         count = math.prod(self.grid.global_shape(local))  # collective (cached per forward)
         split = self._split_dims(args[0])
         count *= math.prod(x.shape[d] for d in dims if d not in split)
-        return _GridReduce.apply(x, tuple(dims), keep, op, self.grid.comm, count)
+        return GridReduce.apply(x, tuple(dims), keep, op, self.grid.comm, count)
 
     def _adaptive(self, func, name, args, kwargs):
         x = args[0]
-        size = _arg(args, kwargs, 1, "output_size", None)
+        size = arg(args, kwargs, 1, "output_size", None)
         sizes = size if isinstance(size, (tuple, list)) else (size,) * self.nd
-        if self.kind(x) != TILE or any(s != 1 for s in sizes) or _arg(
+        if self.kind(x) != TILE or any(s != 1 for s in sizes) or arg(
                 args, kwargs, 2, "return_indices", False):
-            self._refuse(_op_name(func), f"pools to {size} with windows that depend on the "
+            self._refuse(op_name(func), f"pools to {size} with windows that depend on the "
                          "whole grid", "pool to 1 (a global mean/max, made exact) or use "
                          "fixed-window pooling")
         dims = list(range(x.dim() - self.nd, x.dim()))
@@ -491,7 +355,7 @@ class DomainFunctions(TorchFunctionMode):
         if kind == TILE and self.nd > 1 and os_[:-1] == xs[:-self.nd] and \
                 os_[-1] == math.prod(xs[-self.nd:]):
             return self._tag(out, xs[-self.nd:])  # the tile's points in one dim
-        self._refuse(_op_name(func), f"reshapes a split tensor {xs} to {os_}, mixing the split "
+        self._refuse(op_name(func), f"reshapes a split tensor {xs} to {os_}, mixing the split "
                      "spatial dims with others", "keep the spatial dims last and whole, or "
                      "flatten exactly them and reduce the result (x.flatten(2).mean(-1))")
 
@@ -499,30 +363,30 @@ class DomainFunctions(TorchFunctionMode):
         x = args[0]
         split = self._split_dims(x)
         if name == "permute":
-            perm = args[1:] if len(args) > 2 else _arg(args, kwargs, 1, "dims", ())
+            perm = args[1:] if len(args) > 2 else arg(args, kwargs, 1, "dims", ())
             perm = [int(p) % x.dim() for p in
                     (perm if isinstance(perm, (list, tuple, torch.Size)) else [perm])]
             ok = all(perm[d] == d for d in split)
         else:
-            src = _dims(_arg(args, kwargs, 1, "source", ()), x.dim())
-            dst = _dims(_arg(args, kwargs, 2, "destination", ()), x.dim())
+            src = dims_of(arg(args, kwargs, 1, "source", ()), x.dim())
+            dst = dims_of(arg(args, kwargs, 2, "destination", ()), x.dim())
             ok = not (set(src) | set(dst)) & split
         if not ok:
-            self._refuse(_op_name(func), "moves the split spatial dims from the end")
+            self._refuse(op_name(func), "moves the split spatial dims from the end")
         return self._tag(func(*args, **kwargs), self.kind(x))
 
     def _cat(self, func, name, args, kwargs):
-        ts = list(_arg(args, kwargs, 0, "tensors", ()))
+        ts = list(arg(args, kwargs, 0, "tensors", ()))
         kinds = {self.kind(t) for t in ts}
         if len(kinds) != 1:
-            self._refuse(_op_name(func), "joins split tensors with tensors that are not split "
+            self._refuse(op_name(func), "joins split tensors with tensors that are not split "
                          "(or tiles with flattened tiles)")
         kind = kinds.pop()
         x = ts[0]
         nd_out = x.dim() + (name == "stack")
-        d = int(_arg(args, kwargs, 1, "dim", 0)) % nd_out
+        d = int(arg(args, kwargs, 1, "dim", 0)) % nd_out
         if d >= nd_out - self._span(kind) + (name == "stack"):
-            self._refuse(_op_name(func), f"joins along dim {d}, a split spatial dim",
+            self._refuse(op_name(func), f"joins along dim {d}, a split spatial dim",
                          "join along the batch or channel dim")
         return self._tag(func(*args, **kwargs), kind)
 
@@ -552,32 +416,32 @@ class DomainFunctions(TorchFunctionMode):
 
     def _getitem(self, func, args, kwargs):
         if not self._index_ok(args[0], args[1]):
-            self._refuse(_op_name(func), f"indexes a split dim ({args[1]!r}): a tile's index is "
+            self._refuse(op_name(func), f"indexes a split dim ({args[1]!r}): a tile's index is "
                          "not the grid's", "index batch/channel dims only")
         return self._tag(func(*args, **kwargs), self.kind(args[0]))
 
     def _setitem(self, func, args, kwargs):
         x, idx, value = args[0], args[1], args[2]
         if self.kind(x) is None or not self._index_ok(x, idx):
-            self._refuse(_op_name(func), "writes into a split dim, or writes a tile into a "
+            self._refuse(op_name(func), "writes into a split dim, or writes a tile into a "
                          "tensor that is not split", "index batch/channel dims only")
         if isinstance(value, torch.Tensor) and self.kind(value) is None and any(
                 s != 1 for s in value.shape[-self._span(self.kind(x)):]):
-            self._refuse(_op_name(func), "writes a tensor that spans the grid into a tile")
+            self._refuse(op_name(func), "writes a tensor that spans the grid into a tile")
         return func(*args, **kwargs)
 
     def _interpolation(self, func, nd, args, kwargs):
         """(arguments, cache key, layer factory) of F.interpolate: nearest or (bi/tri)linear
         with align_corners=False, by integer factors."""
-        a = _bind(_INTERP_ARGS, {"size": None, "scale_factor": None, "mode": "nearest",
+        a = bind(INTERP_ARGS, {"size": None, "scale_factor": None, "mode": "nearest",
                                  "align_corners": None, "antialias": False}, args, kwargs)
         sf = a["scale_factor"]
         factors = tuple(sf) if isinstance(sf, (list, tuple)) else (sf,) * nd
         mode = a["mode"]
-        linear = mode == _LINEAR_MODES.get(nd) and not a["align_corners"] and not a["antialias"]
+        linear = mode == LINEAR_MODES.get(nd) and not a["align_corners"] and not a["antialias"]
         if a["size"] is not None or sf is None or not (mode == "nearest" or linear) or any(
                 float(f) != int(f) or f < 1 for f in factors):
-            self._refuse(f"{_op_name(func)}(mode={mode!r}, size={a['size']!r}, scale_factor="
+            self._refuse(f"{op_name(func)}(mode={mode!r}, size={a['size']!r}, scale_factor="
                          f"{sf!r}, align_corners={a['align_corners']!r})",
                          "has no halo rule here", "give an integer scale_factor (not size=) "
                          "with mode='nearest', or a linear mode with align_corners=False")
@@ -591,57 +455,41 @@ class DomainFunctions(TorchFunctionMode):
     def _window(self, func, name, args, kwargs):
         x = args[0]
         if self.kind(x) != TILE:
-            self._refuse(_op_name(func), "is applied to a flattened grid")
+            self._refuse(op_name(func), "is applied to a flattened grid")
         if any(self.kind(t) is not None for t in tree_leaves((args[1:], kwargs))):
-            self._refuse(_op_name(func), "takes a split tensor as its weight")
+            self._refuse(op_name(func), "takes a split tensor as its weight")
         nd = x.dim() - 2
         if name == "interpolate":
             a, key, make = self._interpolation(func, nd, args, kwargs)
         elif name.startswith("conv"):
-            a = _bind(_CONV_ARGS, {"bias": None, "stride": 1, "padding": 0, "dilation": 1,
+            a = bind(CONV_ARGS, {"bias": None, "stride": 1, "padding": 0, "dilation": 1,
                                    "groups": 1}, args, kwargs)
             kernel = tuple(a["weight"].shape[2:])
-            key = (name, kernel) + tuple(_hashable(a[k]) for k in _CONV_ARGS[2:])
+            key = (name, kernel) + tuple(hashable(a[k]) for k in CONV_ARGS[2:])
             make = lambda g: DomainConvFn(g, len(kernel), kernel, a["stride"], a["padding"],
                                           a["dilation"], a["groups"], self.overlap)
         else:
             kind = name[:3]
-            a = _bind(_POOL_ARGS[kind], _POOL_DEFAULTS, args, kwargs)
+            a = bind(POOL_ARGS[kind], POOL_DEFAULTS, args, kwargs)
             if a.get("return_indices"):
-                self._refuse(_op_name(func) + "(return_indices=True)", "returns tile-local "
+                self._refuse(op_name(func) + "(return_indices=True)", "returns tile-local "
                              "indices", "pool without indices")
             pnd = int(name[-2])
             cls = getattr(nn, f"{kind.capitalize()}Pool{pnd}d")
-            opts = {k: a[k] for k in _POOL_ARGS[kind] if k != "return_indices"
+            opts = {k: a[k] for k in POOL_ARGS[kind] if k != "return_indices"
                     and not (pnd == 1 and k == "divisor_override")}
-            key = (name,) + tuple(_hashable(v) for v in opts.values())
+            key = (name,) + tuple(hashable(v) for v in opts.values())
             make = lambda g: DomainPool(cls(**opts), g, self.overlap)
         try:
             op = make(_CheckGrid(self.nd)) if self.grid is None else self._ops.get(key)
             if op is None:
                 op = self._ops[key] = make(self.grid)
         except ValueError as exc:
-            self._refuse(_op_name(func), " ".join(str(exc).split()))
+            self._refuse(op_name(func), " ".join(str(exc).split()))
         if self.grid is None:
             return self.split(func(*args, **kwargs))
         out = op(x, a["weight"], a["bias"]) if name.startswith("conv") else op(x)
         return self.split(out)
-
-
-_LINEAR_MODES = {1: "linear", 2: "bilinear", 3: "trilinear"}
-
-
-def _tensors(args, kwargs):
-    """The tensors among a torch function's arguments (and in its list arguments): cheaper
-    than a pytree walk, on every op of the forward."""
-    for group in (args, kwargs.values()):
-        for a in group:
-            if isinstance(a, torch.Tensor):
-                yield a
-            elif isinstance(a, (list, tuple)):
-                for b in a:
-                    if isinstance(b, torch.Tensor):
-                        yield b
 
 
 class _Routed:
@@ -662,10 +510,6 @@ class _Routed:
             self.module.forward = self._saved
         else:
             del self.module.forward
-
-
-def _hashable(v):
-    return tuple(v) if isinstance(v, list) else v
 
 
 def check(model: nn.Module, sample: torch.Tensor) -> None:
