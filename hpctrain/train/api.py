@@ -7,7 +7,7 @@ same shape, over its plans and with its guarantee (the same trajectory as one pr
     summary = trainer.fit(model, DataLoader(dataset, batch_size=64, collate_fn=...),
                           loss_fn=loss_fn)
 
-or, as before, the whole run from a config: ``hpctrain.Trainer(load_config("run.toml")).fit()``.
+or the whole run from a config: ``hpctrain.Trainer(load_config("run.toml")).fit()``.
 
 What a DataLoader means here (hpctrain/data/loader.py reads it):
 

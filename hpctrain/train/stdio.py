@@ -110,7 +110,7 @@ class UnstalledOutput:
                     continue  # a file never blocks; a socket cannot be reopened
                 new = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY)
             except OSError:
-                continue  # left blocking, as before
+                continue  # this stream stays blocking
             os.dup2(new, fd)
             os.close(new)
 

@@ -173,6 +173,6 @@ class Engine:
     @staticmethod
     def _loss_sum(losses) -> float:
         loss_sum = 0.0
-        for loss, w in losses:  # the order and arithmetic of a running sum, as before
+        for loss, w in losses:  # a running sum, in the order the micro-batches ran
             loss_sum += float(loss) * w
         return loss_sum

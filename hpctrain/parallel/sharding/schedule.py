@@ -39,7 +39,7 @@ order, once per forward, with one forward per backward. A unit that runs again a
 stream has passed it and freed it (used twice in one forward under FULL_SHARD / zero3, a
 module run out of registration order, a second forward before one backward) is gathered once
 more, out of the stream: safe when every rank does the same (the same graph everywhere, as
-all models without data-dependent branches: they keep training as before, at the cost of
+all models without data-dependent branches: they train correctly, at the cost of
 that extra gather), a mismatched pairing or a hang when only some ranks do (say a
 data-dependent number of loop iterations over one block). That cannot be seen before the
 collectives are issued; the ranks' counts of such gathers are compared at each step and a
