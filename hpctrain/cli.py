@@ -203,8 +203,8 @@ def _add_report_parser(sub) -> None:
 
 def cmd_report(args) -> int:
     """Draw the runs' picture; a bad directory or a missing matplotlib is one line, exit 2."""
-    from hpctrain.train.report import (REPORT_NAME, ReportError, differences, draw_report,
-                                       load_runs)
+    from hpctrain.train.report import REPORT_NAME, draw_report
+    from hpctrain.train.report_runs import ReportError, differences, load_runs
 
     labels = [x.strip() for x in args.labels.split(",")] if args.labels else None
     default = (os.path.join(args.out_dirs[0], REPORT_NAME) if len(args.out_dirs) == 1

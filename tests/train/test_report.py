@@ -11,8 +11,8 @@ import pytest
 
 from hpctrain.cli import main
 from hpctrain.train.metrics import SUMMARY_NAME, MetricsCSV, write_summary
-from hpctrain.train.report import (ReportError, differences, draw_report, load_run,
-                                   load_runs, report_after_training, title_of)
+from hpctrain.train.report import draw_report, report_after_training
+from hpctrain.train.report_runs import ReportError, differences, load_run, load_runs, title_of
 from tests.mpirun import ROOT, run_mpi, run_single
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
