@@ -45,7 +45,7 @@ from hpctrain.runtime.timeline import TIMELINE
 from hpctrain.units import human_bytes
 
 __all__ = ["RECORDER", "FlightRecorder", "Entry", "group_key", "ranks_key", "members_of",
-           "describe", "human_bytes", "IO_PREFIX"]
+           "describe", "IO_PREFIX"]
 
 def _field(i: int, settable: bool = False):
     get = itemgetter(i)

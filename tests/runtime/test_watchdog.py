@@ -289,7 +289,7 @@ def test_channels_left_by_killed_jobs_are_swept(tmp_path):
     gone, or nothing changed for a day), never a running job's."""
     import socket
 
-    from hpctrain.runtime.watchdog import STALE_CHANNEL_S, _sweep_stale, stall_dir_of
+    from hpctrain.runtime.watchdog_channel import STALE_CHANNEL_S, stall_dir_of, sweep_stale
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -311,7 +311,7 @@ def test_channels_left_by_killed_jobs_are_swept(tmp_path):
         for f in [d, *d.iterdir()]:
             os.utime(f, (time.time() - age,) * 2)
     (tmp_path / "unrelated").mkdir()
-    _sweep_stale(str(tmp_path))
+    sweep_stale(str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         ".hpctrain-watchdog-alive", ".hpctrain-watchdog-hb-alive",
         ".hpctrain-watchdog-no-owner-fresh", ".hpctrain-watchdog-remote-fresh", "unrelated"]
