@@ -48,6 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpctrain.bench.cores import idle_barrier, shared_cores
+from hpctrain.bench.gloo_group import init_gloo
 from hpctrain.parallel.pipeline import schedule as sched_
 
 __all__ = ["run", "bench_model", "MODELS"]
@@ -102,12 +104,6 @@ def _sub_world(world, p):
     c = MPICommunicator(sub, owned=True)
     return World(launch=world.launch, mpi_comm=sub, host=c, comm=c, node=c, cross=c,
                  device=torch.device("cpu"))
-
-
-def _idle_barrier(world) -> None:
-    req = world.mpi_comm.Ibarrier()  # a blocking barrier would spin and steal the cores
-    while not req.Test():
-        time.sleep(0.005)
 
 
 def _hpctrain(sub, schedule, p, m, v, make_model, width, micro, steps, warmup, waits,
@@ -262,13 +258,11 @@ def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"
                          f"run it under mpirun -n 4")
     rows, torch_err = [], ""
     load0 = os.getloadavg()[0]
-    shared = _shared_cores(world)
+    shared = shared_cores(world)
     latency = _p2p_latency(world, micro * width, waits[-1])
     if torch_compare:
         try:
-            from hpctrain.bench.workload import _init_gloo
-
-            _init_gloo(world)
+            init_gloo(world)
         except Exception as exc:  # report why the comparison is missing, keep measuring ours
             torch_err = f"{type(exc).__name__}: {exc}"
     for p in pp:
@@ -282,7 +276,7 @@ def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"
                 if sub is not None:
                     res = _hpctrain(sub, schedule, p, m, vv, make_model, width, micro,
                                     steps, warmup, waits, p2p)
-                _idle_barrier(world)
+                idle_barrier(world)
                 tt = None
                 if torch_compare and not torch_err:
                     try:
@@ -290,7 +284,7 @@ def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"
                                                micro, steps, warmup)
                     except Exception as exc:
                         torch_err = f"{type(exc).__name__}: {exc}"
-                _idle_barrier(world)
+                idle_barrier(world)
                 for wait, r in res.items() if world.rank == 0 else ():
                     rows.append((schedule, p, m, vv, wait, r[0], bubble_formula(p, m, vv),
                                  m * micro / r[1], None if tt is None else m * micro / tt,
@@ -309,22 +303,6 @@ def run(pp=(2, 4), ms=(4, 8, 16), schedules=("gpipe", "1f1b", "interleaved-1f1b"
         if torch_compare and torch_err:
             print(f"torch.distributed.pipelining comparison did not run: {torch_err}")
     return 0
-
-
-def _shared_cores(world) -> str:
-    """'' when every rank of a node may run on its own cores; otherwise why ranks compete."""
-    n = 1024  # CPU ids covered by the bitmap
-    mine = torch.zeros(1, n, dtype=torch.uint8)
-    mine[0, [c for c in os.sched_getaffinity(0) if c < n]] = 1
-    masks = world.node.allgather(mine).bool()
-    cpus = int(masks.any(0).sum())
-    if world.node.size > cpus:
-        return f"{world.node.size} ranks on {cpus} cores: ranks share cores (oversubscribed)"
-    if any(bool((masks[i] & masks[j]).any()) for i in range(len(masks))
-           for j in range(i + 1, len(masks))):
-        return ("ranks are not bound and may share cores (mpirun --bind-to core pins them "
-                "when the machine is yours)")
-    return ""
 
 
 def _p2p_latency(world, numel: int, wait: str, reps: int = 50, busy: float = 0.0,
@@ -361,7 +339,7 @@ def _p2p_latency(world, numel: int, wait: str, reps: int = 50, busy: float = 0.0
             wait_until(time.perf_counter() + busy, sleep)
             world.host.send(buf, 0, 7)
         times.append((time.perf_counter() - t0) / 2 - busy)
-    _idle_barrier(world)
+    idle_barrier(world)
     return statistics.median(times) if times else 0.0
 
 

@@ -34,6 +34,9 @@ import warnings
 
 import torch
 
+from hpctrain.bench.cores import idle_barrier, shared_cores
+from hpctrain.bench.gloo_group import destroy_gloo, init_gloo
+from hpctrain.runtime.comm.base import BLOCKING_FORM
 from hpctrain.runtime.flight import RECORDER, group_key
 
 __all__ = ["SP_CHOICES", "VOCAB", "formula_bytes", "ring_bytes", "summary", "interleave_qkv",
@@ -66,7 +69,7 @@ def summary(entries, tp: int) -> dict:
     point tensors} of flight entries (an all-gather's entry holds this rank's part)."""
     ops, sent, elements = {}, 0, 0
     for e in entries:
-        op = e.op[1:] if e.op in ("iallreduce", "iallgather", "ireduce_scatter") else e.op
+        op = BLOCKING_FORM.get(e.op, e.op)
         nbytes = e.nbytes * (tp if op == "allgather" else 1)
         ops[op] = ops.get(op, 0) + 1
         sent += ring_bytes(op, nbytes, tp)
@@ -226,7 +229,6 @@ class _Runner:
 def _time_rounds(world, run: _Runner, rounds: int, warmup: int) -> dict:
     """Median step seconds (slowest rank) of ours, torch and one rank, taking turns; and
     the CPU seconds of each step (process time, every thread; the largest over ranks)."""
-    from hpctrain.bench.pipeline import _idle_barrier
     from hpctrain.runtime.comm.idle import set_timer_slack
 
     set_timer_slack()
@@ -236,7 +238,7 @@ def _time_rounds(world, run: _Runner, rounds: int, warmup: int) -> dict:
     for k in range(warmup + rounds):
         for name in names[k % len(names):] + names[:k % len(names)]:
             alone = name == "single"  # rank 0 alone, the others asleep (no MPI polling)
-            (_idle_barrier if alone else lambda w: w.mpi_comm.Barrier())(world)
+            (idle_barrier if alone else lambda w: w.mpi_comm.Barrier())(world)
             t0, c0 = time.perf_counter(), time.process_time()
             if name == "ours":
                 run.step_ours(count=k == counted)
@@ -246,7 +248,7 @@ def _time_rounds(world, run: _Runner, rounds: int, warmup: int) -> dict:
                 run.step_single()
             took = [time.perf_counter() - t0, time.process_time() - c0]
             if alone:
-                _idle_barrier(world)
+                idle_barrier(world)
                 dt, cpu = world.mpi_comm.bcast(took)
             else:
                 dt, cpu = world.host.allreduce_scalars(took, op="max")
@@ -351,7 +353,6 @@ def run(layers: int = 4, d_model: int = 512, heads: int = 8, seq_len: int = 256,
         batch: int = 4, steps: int = 5, warmup: int = 2, sequence_parallel: str = "both",
         torch_compare: bool = True, lr: float = 0.05, json_path: str = "") -> int:
     """Time each configuration; rank 0 prints the table (and writes json_path if given)."""
-    from hpctrain.bench.pipeline import _shared_cores
     from hpctrain.runtime.world import init_world
 
     if sequence_parallel not in SP_CHOICES:
@@ -369,12 +370,10 @@ def run(layers: int = 4, d_model: int = 512, heads: int = 8, seq_len: int = 256,
                          f"({seq_len}) and the vocabulary ({VOCAB}) must be divisible by {n}")
     if not RECORDER.enabled:
         raise SystemExit("bench tp: the flight recorder is off, and its entries are the bytes")
-    load0, shared, torch_err = os.getloadavg()[0], _shared_cores(world), ""
+    load0, shared, torch_err = os.getloadavg()[0], shared_cores(world), ""
     if torch_compare:
         try:
-            from hpctrain.bench.workload import _init_gloo
-
-            _init_gloo(world)
+            init_gloo(world)
         except Exception as exc:
             torch_err = f"{type(exc).__name__}: {exc}"
     dims = dict(layers=layers, d_model=d_model, heads=heads, seq_len=seq_len, batch=batch)
@@ -392,8 +391,6 @@ def run(layers: int = 4, d_model: int = 512, heads: int = 8, seq_len: int = 256,
                 f.write("\n")
             print(f"  wrote {json_path}")
     if torch.distributed.is_initialized():
-        from hpctrain.bench.workload import _destroy_gloo
-
-        _destroy_gloo(world)
+        destroy_gloo(world)
     world.mpi_comm.Barrier()
     return 0

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import socket
 import statistics
 import time
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from hpctrain.bench.gloo_group import destroy_gloo, init_gloo
 from hpctrain.parallel.base import Parallelized
 from hpctrain.parallel import registry
 
@@ -132,19 +132,6 @@ def _set_mmap_threshold(kb: int | None) -> None:
         os.environ[ENV] = str(kb)
 
 
-def _init_gloo(world) -> None:
-    import torch.distributed as dist
-
-    port = 0
-    if world.rank == 0:  # a free port now, not a guess that a previous run still holds
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(world.mpi_comm.bcast(port))
-    dist.init_process_group("gloo", rank=world.rank, world_size=world.size)
-
-
 class _FSDP2(Parallelized):
     """torch FSDP2 (fully_shard per layer, then the root) with the same step interface."""
 
@@ -215,18 +202,6 @@ def train_step(par, x) -> None:
     else:
         par.backward(par.model(x).square().mean())
     par.step()
-
-
-def _destroy_gloo(world) -> None:
-    """End the gloo group so that its worker threads stop now: a thread still alive at
-    interpreter exit may drop a tensor's Python object there and abort the process."""
-    import gc
-
-    import torch.distributed as dist
-
-    dist.barrier()  # every queued gloo op has run and let go of its tensors
-    dist.destroy_process_group()
-    gc.collect()  # the baselines' meshes and modules that still held the group
 
 
 def _start_horovod(world) -> None:
@@ -300,7 +275,7 @@ class Entry:
 
 
 def _entries() -> dict:
-    gloo = {"prepare": _init_gloo, "finish": _destroy_gloo}
+    gloo = {"prepare": init_gloo, "finish": destroy_gloo}
     out = [
         Entry("single", _ours("single"), "replicated", "single", ranks="one"),
         Entry("nocomm", _no_comm, "replicated", "floor"),

@@ -23,10 +23,11 @@ import time
 
 import torch
 
-# The collectives replayed for t_comm: the blocking form of each recorded op
-REPLAY = {"allreduce": "allreduce", "iallreduce": "allreduce", "allgather": "allgather",
-          "iallgather": "allgather", "reduce_scatter": "reduce_scatter",
-          "ireduce_scatter": "reduce_scatter", "broadcast": "broadcast"}
+from hpctrain.runtime.comm.base import BLOCKING_FORM, BLOCKING_OPS, NONBLOCKING_OPS
+
+# The collectives replayed for t_comm: each recorded op -> its blocking form
+REPLAY = {op: BLOCKING_FORM.get(op, op) for op in BLOCKING_OPS + NONBLOCKING_OPS
+          if BLOCKING_FORM.get(op, op) in ("allreduce", "allgather", "reduce_scatter", "broadcast")}
 
 
 def _sync(world) -> None:
