@@ -393,11 +393,14 @@ class Communicator(ABC):
             raise ValueError(f"{what}={rank} is not a rank of this communicator; "
                              f"expected 0 <= {what} < size={self.size}")
 
+    def _check_tag(self, tag) -> None:
+        if not _is_int(tag) or tag < 0:
+            raise ValueError(f"tag must be a non-negative int, got {tag!r}")
+
     def _check_p2p(self, tensor, peer, what: str, tag) -> None:
         self._check_tensor(tensor, "tensor")
         self._check_rank(peer, what)
-        if not _is_int(tag) or tag < 0:
-            raise ValueError(f"tag must be a non-negative int, got {tag!r}")
+        self._check_tag(tag)
 
     def _check_boxes(self, tensor, boxes, peer, what: str, tag) -> None:
         if not isinstance(tensor, torch.Tensor):
@@ -420,8 +423,7 @@ class Communicator(ABC):
                 raise ValueError(f"box {box!r} does not fit the trailing dims of a tensor of "
                                  f"shape {tuple(tensor.shape)}")
         self._check_rank(peer, what)
-        if not _is_int(tag) or tag < 0:
-            raise ValueError(f"tag must be a non-negative int, got {tag!r}")
+        self._check_tag(tag)
         if key is not None and len(seen) < 4096:
             seen.add(key)
 

@@ -26,14 +26,13 @@ def _check_messages(comm, messages, what: str) -> tuple:
             raise ValueError(f"a message is (peer, tag, boxes), got {msg!r}")
         peer, tag, boxes = msg
         comm._check_rank(peer, what)
-        if not isinstance(tag, int) or isinstance(tag, bool) or tag < 0:
-            raise ValueError(f"tag must be a non-negative int, got {tag!r}")
+        comm._check_tag(tag)
         if not isinstance(boxes, Sequence) or not boxes:
             raise ValueError(f"boxes must be a non-empty list of boxes, got {boxes!r}")
         boxes = tuple(tuple((int(lo), int(hi)) for lo, hi in box) for box in boxes)
         if any(lo > hi or lo < 0 for box in boxes for lo, hi in box):
             raise ValueError(f"boxes {boxes!r}: every range needs 0 <= start <= stop")
-        out.append((peer, tag, boxes))
+        out.append((peer, int(tag), boxes))
     return tuple(out)
 
 
