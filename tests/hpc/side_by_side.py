@@ -9,7 +9,13 @@ Only the scenarios of selected tests run (-k, one test id).
 
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["SideBySide"]
+__all__ = ["SideBySide", "selected"]
+
+
+def selected(request) -> set:
+    """Names (with their [params]) of the selected tests of the requesting module."""
+    return {it.name for it in request.session.items
+            if getattr(it, "module", None) is request.module}
 
 
 class SideBySide:
@@ -17,9 +23,8 @@ class SideBySide:
 
     def __init__(self, request, scenarios):
         """``scenarios``: {test name (with its [params]): zero-argument body}."""
-        selected = {it.name for it in request.session.items
-                    if getattr(it, "module", None) is request.module}
-        chosen = {name: body for name, body in scenarios.items() if name in selected}
+        wanted = selected(request)
+        chosen = {name: body for name, body in scenarios.items() if name in wanted}
         self.errors = {}
         if not chosen:
             return

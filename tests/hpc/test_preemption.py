@@ -18,7 +18,7 @@ import pytest
 from hpctrain.train.preemption import (PREEMPT_EXIT_CODE, Preempted, Preemption,
                                        requeue_command)
 from tests.hpc.procs import session_procs
-from tests.hpc.side_by_side import SideBySide
+from tests.hpc.side_by_side import SideBySide, selected
 from tests.mpirun import mpi_env
 
 
@@ -306,15 +306,17 @@ SIGKILL_AFTER = [None, 5]
 
 
 @pytest.fixture(scope="module")
-def jobs(request, reference, tmp_path_factory):
+def jobs(request, tmp_path_factory):
     """The mpirun jobs of this file, run side by side; {test name: outcome}."""
     scenarios = {
         f"test_sigterm_to_mpirun_never_loses_a_checkpoint[{after}]":
             (lambda after=after: sigterm_to_mpirun_never_loses_a_checkpoint(
                 tmp_path_factory.mktemp(f"sigterm-{after}"), after))
         for after in SIGKILL_AFTER}
-    scenarios["test_one_signalled_rank_stops_all_at_the_same_step"] = \
-        lambda: one_signalled_rank_stops_all_at_the_same_step(
+    one = "test_one_signalled_rank_stops_all_at_the_same_step"
+    if one in selected(request):  # the 4-rank reference run only for the test that needs it
+        reference = request.getfixturevalue("reference")
+        scenarios[one] = lambda: one_signalled_rank_stops_all_at_the_same_step(
             reference, tmp_path_factory.mktemp("one-signalled"))
     return SideBySide(request, scenarios)
 
