@@ -5,6 +5,8 @@ PBS_JOBNAME, PBS_ENVIRONMENT...) and puts a `mpiexec` shim first on PATH that ac
 PALS's options (-n, --ppn, --depth, --cpu-bind, --env), checks them against the node file,
 and starts the ranks with Open MPI's mpirun, each rank seeing the variables PALS sets
 (PALS_RANKID, PALS_LOCAL_RANKID, PALS_NODEID, PMI_SIZE) instead of Open MPI's.
+The jobs run side by side (tests/hpc/side_by_side.py): the pre-empted one mostly waits on its
+paced steps while the others start; each test checks its own job.
 """
 
 import json
@@ -20,6 +22,7 @@ import pytest
 
 from tests.hpc.conftest import LMOD_INIT, VENV, copy_job, job_env
 from tests.hpc.procs import session_procs
+from tests.hpc.side_by_side import SideBySide
 from tests.mpirun import ROOT
 
 pytestmark = pytest.mark.mpi
@@ -92,8 +95,10 @@ def _via_module(env, tmp_path):
                MODULEPATH=str(tmp_path / "modulefiles"), LMOD_ALLOW_ROOT_USE="yes")
 
 
-@pytest.mark.parametrize("name, via", [("pbs-cpu.pbs", "venv"), ("pbs-gpu.pbs", "module")])
-def test_pbs_script_under_emulated_pals(reference, tmp_path, name, via):
+SCRIPTS = [("pbs-cpu.pbs", "venv"), ("pbs-gpu.pbs", "module")]
+
+
+def pbs_script_under_emulated_pals(reference, tmp_path, name, via):
     script = copy_job(name, str(tmp_path))
     env = _pbs_env(tmp_path, name, 4, MODEL="mlp", STEPS="20")
     if via == "module":
@@ -122,7 +127,7 @@ def _rank_pids(session_id):
     return pids
 
 
-def test_pbs_preempt_sigterm_then_rerun(reference, tmp_path):
+def pbs_preempt_sigterm_then_rerun(reference, tmp_path):
     """PBS pre-emption sends SIGTERM: checkpoint, exit 75; the rerun (-r y) finishes the run."""
     script = copy_job("pbs-preempt.pbs", str(tmp_path))
     env = _pbs_env(tmp_path, "pbs-preempt.pbs", 4, MODEL="tests.fixtures.slow:factory",
@@ -149,10 +154,33 @@ def test_pbs_preempt_sigterm_then_rerun(reference, tmp_path):
     m = re.search(r"SIGTERM received; stopped after step (\d+)", out)
     assert m and 4 <= int(m.group(1)) < 20, out
     assert "hpctrain exit code 75" in out
-    # PBS reruns a rerunnable job with the same id: same script, same directory.
-    rerun = _run_script(script, env)
+    # PBS reruns a rerunnable job with the same id: same script, same directory. Nothing
+    # signals the rerun, so its steps need no pacing.
+    rerun = _run_script(script, dict(env, SLOW_STEP_S="0"))
     out2 = rerun.stdout + rerun.stderr
     assert rerun.returncode == 0, out2
     assert f"at step {m.group(1)}" in out2, out2
     got = json.loads((tmp_path / "hpctrain-preempt-4242.json").read_text())
     np.testing.assert_allclose(got["losses"], reference["losses"], rtol=1e-6, atol=0)
+
+
+@pytest.fixture(scope="module")
+def jobs(request, reference, tmp_path_factory):
+    """Every job of this file, run side by side; {test name: outcome}."""
+    scenarios = {
+        f"test_pbs_script_under_emulated_pals[{name}-{via}]":
+            (lambda name=name, via=via: pbs_script_under_emulated_pals(
+                reference, tmp_path_factory.mktemp(name), name, via))
+        for name, via in SCRIPTS}
+    scenarios["test_pbs_preempt_sigterm_then_rerun"] = lambda: pbs_preempt_sigterm_then_rerun(
+        reference, tmp_path_factory.mktemp("pbs-preempt"))
+    return SideBySide(request, scenarios)
+
+
+@pytest.mark.parametrize("name, via", SCRIPTS)
+def test_pbs_script_under_emulated_pals(jobs, request, name, via):
+    jobs.check(request.node.name)
+
+
+def test_pbs_preempt_sigterm_then_rerun(jobs, request):
+    jobs.check(request.node.name)

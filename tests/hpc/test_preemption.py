@@ -1,4 +1,8 @@
-"""Pre-emption: the signal flag, the all-rank agreement, requeue, exit code 75."""
+"""Pre-emption: the signal flag, the all-rank agreement, requeue, exit code 75.
+
+The mpirun jobs run side by side (tests/hpc/side_by_side.py): they mostly wait on paced steps
+and on mpirun's kill timeouts; each test checks its own job.
+"""
 
 import json
 import os
@@ -14,6 +18,7 @@ import pytest
 from hpctrain.train.preemption import (PREEMPT_EXIT_CODE, Preempted, Preemption,
                                        requeue_command)
 from tests.hpc.procs import session_procs
+from tests.hpc.side_by_side import SideBySide, selected
 from tests.mpirun import mpi_env
 
 
@@ -135,8 +140,7 @@ def test_finish_without_slurm_or_with_requeue_off(tmp_path, monkeypatch):
     assert not (tmp_path / "scontrol.args").exists()
 
 
-@pytest.mark.mpi
-def test_one_signalled_rank_stops_all_at_the_same_step(reference, tmp_path):
+def one_signalled_rank_stops_all_at_the_same_step(reference, tmp_path):
     """Only rank 1 gets SIGUSR1: both ranks stop after the same step, checkpoint, exit 75."""
     args = ["mpirun", "-n", "2", "--oversubscribe", "--bind-to", "none", sys.executable, "-m", "hpctrain", "train", "--strategy",
             "ddp", "--model", "tests.fixtures.slow:factory", "--steps", "20", "--progress", "off",
@@ -165,8 +169,9 @@ def test_one_signalled_rank_stops_all_at_the_same_step(reference, tmp_path):
     stopped = int(m.group(1))
     assert 3 <= stopped < 20
     assert sorted(os.listdir(tmp_path / "ck")) == ["ckpt-%06d.h5" % stopped, "latest"]
-    again = subprocess.run(args, env=env, cwd=str(tmp_path), capture_output=True, text=True,
-                           timeout=300)
+    # the rerun needs no pacing: nothing signals it
+    again = subprocess.run(args, env=dict(env, SLOW_STEP_S="0"), cwd=str(tmp_path),
+                           capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stdout + again.stderr
     assert f"at step {stopped}" in again.stdout
     got = json.loads((tmp_path / "s.json").read_text())
@@ -246,9 +251,7 @@ def _run_until_steps(args, env, tmp_path, steps):
     return proc
 
 
-@pytest.mark.mpi
-@pytest.mark.parametrize("sigkill_after", [None, 5])
-def test_sigterm_to_mpirun_never_loses_a_checkpoint(tmp_path, sigkill_after):
+def sigterm_to_mpirun_never_loses_a_checkpoint(tmp_path, sigkill_after):
     """mpirun, on SIGTERM, sends the ranks SIGCONT, waits odls_base_sigkill_timeout (1 s by
     default), sends SIGTERM, waits as long again, then SIGKILL, reading none of their output
     while it waits. With 1 s the ranks exit 75 at once (no save started, the old checkpoints
@@ -297,3 +300,33 @@ def test_sigterm_to_mpirun_never_loses_a_checkpoint(tmp_path, sigkill_after):
         written = os.path.getmtime(tmp_path / "ck" / latest) - sent_wall
         assert sigkill_after - 1 < written < 2 * sigkill_after, (written, out[-2000:])
         assert took < 2 * sigkill_after + 10, took
+
+
+SIGKILL_AFTER = [None, 5]
+
+
+@pytest.fixture(scope="module")
+def jobs(request, tmp_path_factory):
+    """The mpirun jobs of this file, run side by side; {test name: outcome}."""
+    scenarios = {
+        f"test_sigterm_to_mpirun_never_loses_a_checkpoint[{after}]":
+            (lambda after=after: sigterm_to_mpirun_never_loses_a_checkpoint(
+                tmp_path_factory.mktemp(f"sigterm-{after}"), after))
+        for after in SIGKILL_AFTER}
+    one = "test_one_signalled_rank_stops_all_at_the_same_step"
+    if one in selected(request):  # the 4-rank reference run only for the test that needs it
+        reference = request.getfixturevalue("reference")
+        scenarios[one] = lambda: one_signalled_rank_stops_all_at_the_same_step(
+            reference, tmp_path_factory.mktemp("one-signalled"))
+    return SideBySide(request, scenarios)
+
+
+@pytest.mark.mpi
+def test_one_signalled_rank_stops_all_at_the_same_step(jobs, request):
+    jobs.check(request.node.name)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("sigkill_after", SIGKILL_AFTER)
+def test_sigterm_to_mpirun_never_loses_a_checkpoint(jobs, request, sigkill_after):
+    jobs.check(request.node.name)

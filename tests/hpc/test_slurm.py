@@ -4,6 +4,8 @@ The cluster is one machine (tests/hpc/slurm_cluster.py), so the site-specific li
 scripts are parameterised the way a user would edit them: nodes=2 -> 1, 8 cores per GPU
 rank -> 2 (the VM has 2 cores; the node declares 16). GPUs are fake gres devices: SLURM
 accounts them and sets CUDA_VISIBLE_DEVICES, torch finds no CUDA and the ranks train on CPU.
+The jobs run side by side (tests/hpc/side_by_side.py): they mostly wait on the scheduler's
+passes, the paced steps and the requeue hold; each test checks its own job.
 """
 
 import csv
@@ -17,6 +19,7 @@ import numpy as np
 import pytest
 
 from tests.hpc.conftest import REF_ARGS, VENV, copy_job
+from tests.hpc.side_by_side import SideBySide
 
 pytestmark = pytest.mark.slurm
 
@@ -34,7 +37,7 @@ def _assert_losses(got, ref, rtol=1e-6):
     np.testing.assert_allclose(got["losses"], ref["losses"], rtol=rtol, atol=0)
 
 
-def test_srun_matches_mpirun(slurm, reference, tmp_path):
+def srun_matches_mpirun(slurm, reference, tmp_path):
     out = tmp_path / "srun.json"
     proc = slurm.run(["srun", "-n", "4", "--mpi=pmix"] + PY + REF_ARGS + ["--summary", str(out)],
                      timeout=240, cwd=str(tmp_path))
@@ -61,13 +64,16 @@ def _log(cwd, pattern):
         return fh.read()
 
 
-@pytest.mark.parametrize("name, cpus, edits", [
-    ("slurm-cpu.sbatch", 1, []),
+# kind -> (script, cpus per task, site edits)
+SCRIPTS = {
+    "cpu": ("slurm-cpu.sbatch", 1, []),
     # multi-node GPU script on the one-node cluster: the two lines a site sizes
-    ("slurm-gpu.sbatch", 2, [("#SBATCH --nodes=2", "#SBATCH --nodes=1"),
-                             ("#SBATCH --cpus-per-task=8", "#SBATCH --cpus-per-task=2")]),
-])
-def test_sbatch_job_script(slurm, reference, tmp_path, name, cpus, edits):
+    "gpu": ("slurm-gpu.sbatch", 2, [("#SBATCH --nodes=2", "#SBATCH --nodes=1"),
+                                    ("#SBATCH --cpus-per-task=8", "#SBATCH --cpus-per-task=2")]),
+}
+
+
+def sbatch_job_script(slurm, reference, tmp_path, name, cpus, edits):
     script = copy_job(name, str(tmp_path), edits)
     # SLURM_DEBUG=1: srun -v, which prints the options its step was given
     job, state = _sbatch(slurm, script, str(tmp_path), {"MODEL": "mlp", "STEPS": "20",
@@ -128,7 +134,7 @@ PREEMPT_ENV = {"MODEL": "tests.fixtures.slow:factory", "STEPS": "20", "CKPT_EVER
                "SLOW_STEP_S": "0.3"}
 
 
-def test_preempt_requeue_resume(slurm, reference, tmp_path):
+def preempt_requeue_resume(slurm, reference, tmp_path):
     """USR1 mid-run: checkpoint, scontrol requeue, restart, --resume auto: same losses."""
     script = copy_job("slurm-preempt.sbatch", str(tmp_path))
     job = slurm.run(["sbatch", "--parsable", script], cwd=str(tmp_path),
@@ -151,7 +157,7 @@ def test_preempt_requeue_resume(slurm, reference, tmp_path):
     _assert_losses(_summary(tmp_path / f"hpctrain-preempt-{job}.json"), reference)
 
 
-def test_killed_job_loses_at_most_checkpoint_every(slurm, reference, tmp_path):
+def killed_job_loses_at_most_checkpoint_every(slurm, reference, tmp_path):
     """No warning signal (SIGKILL, like a hard time limit): resume loses <= every steps."""
     every = 4
     env = dict(PREEMPT_ENV, CKPT_EVERY=str(every))
@@ -164,11 +170,43 @@ def test_killed_job_loses_at_most_checkpoint_every(slurm, reference, tmp_path):
     slurm.wait_job(job, 120)
     done = _steps_done(csv_path)
     assert 10 <= done < 20
-    # Resubmitting the same script continues from the newest checkpoint.
-    job2, state = _sbatch(slurm, script, str(tmp_path), env)
+    # Resubmitting the same script continues from the newest checkpoint (unpaced: nothing
+    # signals it).
+    job2, state = _sbatch(slurm, script, str(tmp_path), dict(env, SLOW_STEP_S="0"))
     log = (tmp_path / f"hpctrain-preempt-{job2}.out").read_text()
     assert state == "COMPLETED", log
     m = re.search(r"resumed from \S+ at step (\d+)", log)
     assert m, log
     assert done - every <= int(m.group(1)) <= done
     _assert_losses(_summary(tmp_path / f"hpctrain-preempt-{job2}.json"), reference)
+
+
+@pytest.fixture(scope="module")
+def jobs(request, slurm, reference, tmp_path_factory):
+    """Every job of this file, run side by side; {test name: outcome}."""
+    def body(fn, tmp_name, *args):
+        return lambda: fn(slurm, reference, tmp_path_factory.mktemp(tmp_name), *args)
+
+    scenarios = {f"test_sbatch_job_script[{kind}]": body(sbatch_job_script, kind, *spec)
+                 for kind, spec in SCRIPTS.items()}
+    for fn in (srun_matches_mpirun, preempt_requeue_resume,
+               killed_job_loses_at_most_checkpoint_every):
+        scenarios["test_" + fn.__name__] = body(fn, fn.__name__[:20])
+    return SideBySide(request, scenarios)
+
+
+def test_srun_matches_mpirun(jobs, request):
+    jobs.check(request.node.name)
+
+
+@pytest.mark.parametrize("kind", list(SCRIPTS))
+def test_sbatch_job_script(jobs, request, kind):
+    jobs.check(request.node.name)
+
+
+def test_preempt_requeue_resume(jobs, request):
+    jobs.check(request.node.name)
+
+
+def test_killed_job_loses_at_most_checkpoint_every(jobs, request):
+    jobs.check(request.node.name)
