@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from hpctrain.errors import NONFINITE_EXIT_CODE, ConfigError
-from hpctrain.parallel import registry
+from hpctrain import registry
 
 __all__ = [
     "ConfigError", "TrainSection", "DDPSection", "ZeroSection", "FSDPSection", "PipelineSection",

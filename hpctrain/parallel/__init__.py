@@ -18,7 +18,7 @@ def __getattr__(name):
         # transform, three presets (zero.options_for fills in or checks the stage); pipeline
         # takes a LayerStack (models.registry.build_layers) or an nn.Sequential; tensor:
         # TensorOptions, else the model's tp_plan.
-        from hpctrain.parallel.registry import STRATEGIES
+        from hpctrain.registry import STRATEGIES
 
         return STRATEGIES
     if name in ("Parallelized", "OptimizerFactory"):
@@ -36,7 +36,7 @@ def wrap(strategy: str, model, make_optimizer, world, options=None, mesh: str = 
     ...); a zero stage contradicting the name is a ValueError before any collective."""
     import importlib
 
-    from hpctrain.parallel import registry
+    from hpctrain import registry
     from hpctrain.parallel.orchestrator import parallelize
     from hpctrain.parallel.plan import build_plan
 

@@ -1,6 +1,7 @@
 """The orchestrator: a ParallelPlan in, one Parallelized out, transforms in a fixed order.
 
-1. model-parallel transforms: tensor parallel (Megatron layers over tp), domain layers;
+1. model-parallel transforms, in the registry's order: tensor parallel (Megatron layers
+   over tp), domain layers, and any other dimension's own transform (Dimension.transform);
 2. activation checkpointing (per block; per layer inside the pipeline);
 3. the pipeline split (this rank keeps its stages);
 4. the data-parallel flavour (ddp, zero1-3, fsdp) over the dp replicas, summing gradients
@@ -21,7 +22,7 @@ from hpctrain.models.layers import LayerStack
 from hpctrain.parallel.base import DPGroups
 from hpctrain.parallel.executor import Executor
 from hpctrain.parallel.deferred import Materializer, has_placeholders, materialize, placeholders
-from hpctrain.parallel import registry
+from hpctrain import registry
 from hpctrain.parallel.plan import ParallelPlan
 
 __all__ = ["parallelize", "defer_init", "has_deferred", "Composed"]
@@ -239,26 +240,29 @@ def parallelize(plan: ParallelPlan, model, make_optimizer, world, options: dict 
         if activation_checkpointing:
             _checkpoint(model, world)
         return single.wrap(model, make_optimizer, world)
-    step, tensor = 1, None
-    if plan.tensor:
-        model, tensor = _tensor(plan, model, world, options, step)
-        step += 1
-    if plan.pipeline:
-        return _pipeline(plan, model, make_optimizer, world, options, activation_checkpointing,
-                         tensor, step)
-    executor, groups = tensor, DPGroups.of_world(world)
-    if plan.tensor:  # the tp ranks of a replica read the same samples
+    step, tensor, executor, groups = 1, None, None, DPGroups.of_world(world)
+    for dim in registry.by_transform_order():  # the model-parallel transforms, in order
+        if not plan.uses(dim.strategy):
+            continue
+        if dim.strategy == "pipeline":  # last: it applies the flavour to its stages
+            return _pipeline(plan, model, make_optimizer, world, options,
+                             activation_checkpointing, tensor, step)
         mesh = world.mesh(plan.layout)
-        groups = DPGroups(mesh.comm("dp"), (), mesh.comm("dp"))
-    if plan.domain:
-        from hpctrain.parallel.domain import strategy as domain
+        if dim.strategy == "tensor":
+            model, tensor = _tensor(plan, model, world, options, step)
+            executor = tensor
+            # the tp ranks of a replica read the same samples
+            groups = DPGroups(mesh.comm("dp"), (), mesh.comm("dp"))
+        elif dim.strategy == "domain":
+            from hpctrain.parallel.domain import strategy as domain
 
-        mesh = world.mesh(plan.layout)
-        model, executor = domain.prepare(model, world, mesh, options.get("domain"))
-        groups = DPGroups(mesh.comm("dp"), executor.partial_groups, world.comm)
-        _log(world, f"transform {step}: domain: spatial layers split over dom="
-                    f"{'x'.join(map(str, plan.dom))} ({_ranks(mesh.comm('dom'))}); weight "
-                    f"gradients are partial over dom")
+            model, executor = domain.prepare(model, world, mesh, options.get("domain"))
+            groups = DPGroups(mesh.comm("dp"), executor.partial_groups, world.comm)
+            _log(world, f"transform {step}: domain: spatial layers split over dom="
+                        f"{'x'.join(map(str, plan.dom))} ({_ranks(mesh.comm('dom'))}); weight "
+                        f"gradients are partial over dom")
+        else:
+            model, executor, groups = _transform(dim, plan, model, world, mesh, options, step)
         step += 1
     if activation_checkpointing:
         n = _checkpoint(model, world)
@@ -309,6 +313,20 @@ def _tensor(plan: ParallelPlan, model, world, options: dict, step: int):
                 f"{'on' if tensor.sequence_parallel else 'off'}; vocabulary-parallel loss "
                 f"{'on' if tensor.vocab else 'off'}")
     return model, tensor
+
+
+def _transform(dim, plan: ParallelPlan, model, world, mesh, options: dict, step: int):
+    """Any other dimension: its registered transform (``Dimension.transform``,
+    ``prepare(model, world, mesh, options) -> (model, executor)``) over its mesh key; the
+    dp flavour then sums over dp and the groups the executor says its gradients are partial
+    over (``partial_groups``, if it has any)."""
+    module, _, name = dim.transform.partition(":")
+    prepare = getattr(importlib.import_module(module), name)
+    model, executor = prepare(model, world, mesh, options.get(dim.table))
+    partial = getattr(executor, "partial_groups", ())
+    _log(world, f"transform {step}: {dim.strategy}: {dim.noun} over {dim.key}="
+                f"{plan.degree(dim.key)} ({_ranks(mesh.comm(dim.key))})")
+    return model, executor, DPGroups(mesh.comm("dp"), partial)
 
 
 def _checkpoint(model, world) -> int:

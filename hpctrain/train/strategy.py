@@ -9,7 +9,7 @@ import inspect
 import torch
 
 from hpctrain.config import Config, ConfigError, TrainSection
-from hpctrain.parallel import registry
+from hpctrain import registry
 
 __all__ = ["make_optimizer_factory", "check_optimizer", "optimizer_class", "plan_options",
            "strategy_options", "NOT_SHARDABLE"]

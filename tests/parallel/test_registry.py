@@ -1,4 +1,4 @@
-"""The one registry (parallel/registry.py): everything that names a parallelism derives from
+"""The one registry (hpctrain/registry.py): everything that names a parallelism derives from
 it, and each config section fills its options class field by field."""
 
 import dataclasses
@@ -8,7 +8,7 @@ import pytest
 
 from hpctrain import config
 from hpctrain.config import Config
-from hpctrain.parallel import registry
+from hpctrain import registry
 from hpctrain.parallel.plan import build_plan
 from hpctrain.train.strategy import _options, plan_options
 

@@ -14,7 +14,7 @@ from hpctrain.parallel.tensor import hf_plan
 from hpctrain.parallel.tensor.layers import is_conv1d
 from hpctrain.parallel.tensor.loss import is_cross_entropy
 from hpctrain.parallel.tensor.styles import STYLES, match_plan, parse_plan
-from hpctrain.parallel.registry import SHARDED_FLAVOURS
+from hpctrain.registry import SHARDED_FLAVOURS
 
 __all__ = ["TensorOptions", "Split", "check", "check_sharding", "cuts", "model_plan",
            "vocab_rows"]
