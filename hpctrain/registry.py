@@ -92,12 +92,12 @@ GRID_KEYS = tuple(d.key for d in DIMENSIONS if d.grid)
 #: torch): the class IS the config table (config.py builds [table] from it, its fields'
 #: metadata the help, choices and bounds), in the order the tables are listed.
 OPTIONS = {
-    "ddp": "hpctrain.parallel.ddp:DDPOptions",
-    "zero": "hpctrain.parallel.zero:ZeroOptions",
-    "pipeline": "hpctrain.parallel.pipeline:PipelineOptions",
-    "domain": "hpctrain.parallel.domain.strategy:DomainOptions",
-    "tensor": "hpctrain.parallel.tensor:TensorOptions",
-    "fsdp": "hpctrain.parallel.fsdp:FSDPOptions",
+    "ddp": "hpctrain.parallel.ddp_options:DDPOptions",
+    "zero": "hpctrain.parallel.zero_options:ZeroOptions",
+    "pipeline": "hpctrain.parallel.pipeline.options:PipelineOptions",
+    "domain": "hpctrain.parallel.domain.options:DomainOptions",
+    "tensor": "hpctrain.parallel.tensor.options:TensorOptions",
+    "fsdp": "hpctrain.parallel.fsdp_options:FSDPOptions",
 }
 
 FLAVOUR_NAMES = tuple(f.name for f in FLAVOURS)

@@ -16,16 +16,35 @@ imports another one, this module is where they meet.
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
+from typing import Callable
 
+from hpctrain import registry
+from hpctrain.data.sampler import collate
+from hpctrain.data.structure import to_device
 from hpctrain.errors import UsageError
 from hpctrain.models.layers import LayerStack
 from hpctrain.parallel.base import DPGroups
 from hpctrain.parallel.executor import Executor
 from hpctrain.parallel.deferred import Materializer, has_placeholders, materialize, placeholders
-from hpctrain import registry
 from hpctrain.parallel.plan import ParallelPlan
 
-__all__ = ["parallelize", "defer_init", "has_deferred", "Composed"]
+__all__ = ["parallelize", "defer_init", "has_deferred", "Composed", "RunData"]
+
+
+@dataclass(frozen=True)
+class RunData:
+    """What the run hands ``parallelize`` beside the model, for the transforms that look at
+    the data before they split it (the pipeline: a micro-batch to time its layers on,
+    pipeline.balance = "measured", or two samples to check a user module's split on): the
+    data set, the samples of one micro-batch of the step (over all replicas), the loss, and
+    ``unit_count``, target -> the units its loss is a mean over (train.loss_weight =
+    "tokens"; None: a micro-batch's pieces count by their rows)."""
+
+    dataset: object
+    micro_batch: int = 1
+    loss_fn: Callable | None = None
+    unit_count: Callable | None = None
 
 
 class Composed:
@@ -221,13 +240,14 @@ def _flavour(plan: ParallelPlan, model, make_optimizer, world, options: dict, gr
 
 
 def parallelize(plan: ParallelPlan, model, make_optimizer, world, options: dict | None = None,
-                activation_checkpointing: bool = False):
+                activation_checkpointing: bool = False, data: RunData | None = None):
     """Apply the plan's transforms to model (a LayerStack or nn.Sequential when the plan has
     a pipeline) and return the Parallelized (collective over the world).
 
     ``options``: typed options per config table ({"ddp": DDPOptions, "zero": ZeroOptions,
-    "fsdp": FSDPOptions, "pipeline": PipelineOptions, "domain": DomainOptions}); missing
-    ones take their defaults.
+    "fsdp": FSDPOptions, "pipeline": PipelineOptions, "domain": DomainOptions, ...}); missing
+    ones take their defaults. ``data``: the run's data (RunData), which the pipeline
+    probes.
     """
     options = dict(options or {})
     if plan.world_size != world.size:
@@ -246,7 +266,7 @@ def parallelize(plan: ParallelPlan, model, make_optimizer, world, options: dict 
             continue
         if dim.strategy == "pipeline":  # last: it applies the flavour to its stages
             return _pipeline(plan, model, make_optimizer, world, options,
-                             activation_checkpointing, tensor, step)
+                             activation_checkpointing, tensor, step, data)
         mesh = world.mesh(plan.layout)
         if dim.strategy == "tensor":
             model, tensor = _tensor(plan, model, world, options, step)
@@ -335,8 +355,29 @@ def _checkpoint(model, world) -> int:
     return checkpoint_blocks(model, is_main=world.is_main)
 
 
+def _probe(opts, data: RunData | None, stack, world):
+    """What the pipeline reads of the run's data (pipeline.Probe): a micro-batch's input
+    and target on the device and the loss, to time the layers on (balance = "measured"),
+    else a user module's two sample inputs on its device, to check its split against its
+    forward; and how a target counts its loss's units."""
+    from hpctrain.parallel.pipeline import Probe
+
+    if data is None:
+        return Probe()
+    if opts.balance == "measured":
+        n = data.micro_batch // opts.microbatches
+        x, y = collate(data.dataset, range(max(1, n)))
+        return Probe(to_device(x, world.device), to_device(y, world.device), data.loss_fn,
+                     data.unit_count)
+    if not isinstance(stack, LayerStack):  # a user's module (the Trainer's Python API)
+        device = next(stack.parameters()).device
+        x = collate(data.dataset, range(min(2, len(data.dataset))))[0]
+        return Probe(to_device(x, device), unit_count=data.unit_count)
+    return Probe(unit_count=data.unit_count)
+
+
 def _pipeline(plan, stack, make_optimizer, world, options, activation_checkpointing,
-              tensor=None, step=1):
+              tensor=None, step=1, data: RunData | None = None):
     """The pipeline split, then the dp flavour over each stage's replicas, sharding the
     units the pipeline names (the parameters each set of its chunks uses)."""
     from dataclasses import replace
@@ -346,7 +387,7 @@ def _pipeline(plan, stack, make_optimizer, world, options, activation_checkpoint
     opts = options.get("pipeline") or PipelineOptions()
     opts = replace(opts, mesh=plan.layout, dp_sharding=plan.flavour,
                    activation_checkpointing=activation_checkpointing or opts.activation_checkpointing)
-    root, executor = prepare(stack, world, opts, plan.flavour)
+    root, executor = prepare(stack, world, opts, plan.flavour, _probe(opts, data, stack, world))
     _log(world, f"transform {step}: pipeline: {plan.pp} stages in each of {plan.dp} replicas; "
                 f"activation recompute per layer: "
                 f"{'on' if opts.activation_checkpointing else 'off'}")
