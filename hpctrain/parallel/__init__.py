@@ -29,11 +29,13 @@ def __getattr__(name):
 
 
 def wrap(strategy: str, model, make_optimizer, world, options=None, mesh: str = "",
-         dp_flavour: str = ""):
+         dp_flavour: str = "", data=None):
     """Apply the named strategy (a one-dimensional plan; with ``mesh``/``dp_flavour`` a
     composed one) to model and optimizer through the orchestrator (collective over the
     world). ``options`` is the strategy's own options object (ZeroOptions, PipelineOptions,
-    ...); a zero stage contradicting the name is a ValueError before any collective."""
+    ...); a zero stage contradicting the name is a ValueError before any collective.
+    ``data``: the run's data (orchestrator.RunData), which the pipeline probes (balance =
+    "measured", a user module's split)."""
     import importlib
 
     from hpctrain import registry
@@ -57,4 +59,5 @@ def wrap(strategy: str, model, make_optimizer, world, options=None, mesh: str = 
     plan = build_plan(strategy, mesh or pipeline_mesh, world.size, dp_flavour,
                       getattr(options, "dp_sharding", "ddp") if strategy == "pipeline" else "ddp")
     table = registry.STRATEGY_TABLE.get(strategy)
-    return parallelize(plan, model, make_optimizer, world, {table: options} if table else {})
+    return parallelize(plan, model, make_optimizer, world, {table: options} if table else {},
+                       data=data)

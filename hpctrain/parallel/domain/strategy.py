@@ -12,6 +12,7 @@ the loss weighting (``DomainExecutor``).
 from __future__ import annotations
 
 import math
+
 import torch
 from torch import nn
 
