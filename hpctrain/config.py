@@ -236,7 +236,7 @@ class _Config:
                 if value != getattr(default, f.name):
                     users = registry.strategies_reading(sname)
                     raise ConfigError(
-                        f"{sname}.{f.name} = {value!r} is set, but train.strategy = "
+                        f"{sname}.{f.name} = {_toml_form(value)!r} is set, but train.strategy = "
                         f"{self.train.strategy!r} (plan {plan.name}) does not read [{sname}] "
                         f"(used by {', '.join(users)}); drop the option or pick one of those "
                         f"strategies")
