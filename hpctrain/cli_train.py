@@ -147,7 +147,7 @@ def _overrides(args) -> list[dict]:
 def _sharded_overrides(args, cfg, size: int) -> list[dict]:
     """The flags of the sharded flavour's table ([zero] for zero1-3, [fsdp] for fsdp),
     which the plan's dp flavour names; ConfigError for a plan without one."""
-    from hpctrain.parallel import registry
+    from hpctrain import registry
 
     out = []
     for name, (section, key, *_rest) in TRAIN_FLAGS.items():

@@ -1,24 +1,29 @@
 """One typed config: TOML file + CLI overrides, validated before any collective runs.
 
+[train], [runtime] and [checkpoint] are declared here; each strategy's table is that
+strategy's options class (registry.OPTIONS), whose field metadata carries the help, choices
+and bounds, and whose ``check(cfg, plan)`` holds the table's own rules.
+
 Validation is pure (no MPI): every rank reads the same file and flags, so every rank
 fails the same way, with the same one-line message, before communication starts.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import tomllib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from hpctrain import registry
 from hpctrain.errors import NONFINITE_EXIT_CODE, ConfigError
-from hpctrain.parallel import registry
+from hpctrain.option import names, option as _f
 
 __all__ = [
-    "ConfigError", "TrainSection", "DDPSection", "ZeroSection", "FSDPSection", "PipelineSection",
-    "DomainSection", "RuntimeSection", "CheckpointSection", "Config",
-    "load_config", "parse_assignment", "STRATEGIES", "BUILTIN_MODELS",
+    "ConfigError", "TrainSection", "RuntimeSection", "CheckpointSection", "Config",
+    "load_config", "parse_assignment", "config_keys", "STRATEGIES", "BUILTIN_MODELS",
     "OPTIMIZERS", "PRECISIONS",
 ]
 
@@ -26,17 +31,6 @@ __all__ = [
 BUILTIN_MODELS = ("gpt", "mlp", "unet")
 STRATEGIES = registry.STRATEGIES
 DP_FLAVOURS = registry.FLAVOUR_NAMES
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-PIPELINE_BALANCE = ("param-count", "measured")
-PIPELINE_P2P = ("auto", "eager", "ordered")  # parallel/pipeline/p2p.py P2P_MODES: the same
-# fsdp choices (kept here so validation needs no torch import; parallel/fsdp.py checks the same).
-FSDP_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
-FSDP_WRAP = ("blocks", "class", "size", "none")
-FSDP_PREFETCH = ("BACKWARD_PRE", "NONE")
-FSDP_DTYPES = ("", "fp32", "bf16", "fp16")
-# parallel/sharding/reduction.py DEFAULT_BUCKET_BYTES and fsdp.py DEFAULT_ALLGATHER_BUCKET_BYTES.
-REDUCE_BUCKET_BYTES = 1 << 24
-ALLGATHER_BUCKET_BYTES = 1 << 30
 OPTIMIZERS = ("sgd", "adamw")  # the usual two; any torch.optim class is accepted
 PRECISIONS = ("fp32", "bf16", "fp16")
 LOSS_WEIGHTS = ("samples", "tokens")
@@ -44,13 +38,6 @@ NONFINITE_MODES = ("stop", "skip", "ignore")  # train/nonfinite.py: what the gua
 PROGRESS = ("auto", "on", "off")
 DEVICES = ("auto", "cpu", "cuda")
 
-
-
-def _f(default, help, *, choices=None, min=None, max=None, default_factory=None):
-    meta = {"help": help, "choices": choices, "min": min, "max": max}
-    if default_factory is not None:
-        return field(default_factory=default_factory, metadata=meta)
-    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -133,105 +120,6 @@ class TrainSection:
 
 
 @dataclass
-class DDPSection:
-    """[ddp]: Horovod data parallel."""
-
-    fp16_compression: bool = _f(False, "compress gradients to fp16 for the all-reduce")
-    fusion_threshold_mb: float = _f(128.0, "Horovod tensor fusion buffer (HOROVOD_FUSION_THRESHOLD)",
-                                    min=0.0)
-    cycle_time_ms: float = _f(1.0, "Horovod cycle time (HOROVOD_CYCLE_TIME)", min=0.0)
-    sync_batchnorm: bool = _f(True, "BatchNorm statistics over the global batch (all ranks)")
-
-
-@dataclass
-class UnitPolicy:
-    """How a sharded strategy cuts the model into units (the [zero] and [fsdp] keys)."""
-
-    auto_wrap_policy: str = _f("blocks", "units: blocks (repeated blocks: ModuleList elements, "
-                               "an nn.Sequential's repeated children), class (wrap_classes), "
-                               "size (min_params) or none (one unit)", choices=FSDP_WRAP)
-    wrap_classes: str = _f("", "comma-separated module class names for auto_wrap_policy=class, "
-                           "e.g. GPTBlock")
-    min_params: int = _f(0, "parameters per unit for auto_wrap_policy=size", min=0)
-    reduce_bucket_size: int = _f(REDUCE_BUCKET_BYTES, "bytes: gradients are reduce-scattered in "
-                                 "pieces of at most this, with at most this much piece buffer "
-                                 "alive at once (zero1 reduces at the step, in place; the MPI "
-                                 "backend stages up to as much again to receive)", min=1)
-
-
-@dataclass
-class ZeroSection(UnitPolicy):
-    """[zero]: ZeRO stages 1-3 (strategies zero1, zero2, zero3)."""
-
-    sync_batchnorm: bool = _f(True, "BatchNorm statistics over the global batch (all ranks)")
-
-
-@dataclass
-class PipelineSection:
-    """[pipeline]: pipeline parallel over the mesh's pp dimension (strategy pipeline)."""
-
-    schedule: str = _f("1f1b", "gpipe, 1f1b, or interleaved-1f1b", choices=PIPELINE_SCHEDULES)
-    microbatches: int = _f(4, "pipeline micro-batches per (grad-accumulation) batch", min=1)
-    virtual_stages: int = _f(2, "model chunks per rank (interleaved-1f1b only)", min=1)
-    balance: str = _f("param-count", "split layers by parameter count or measured layer time",
-                      choices=PIPELINE_BALANCE)
-    split_points: str = _f("", "explicit stage starts: comma-separated layer indices or names "
-                               "(e.g. '3,6' or 'blocks.2'); empty: balanced split")
-    dp_sharding: str = _f("ddp", "the dp flavour over each stage's replicas (as "
-                          "--dp-flavour): all-reduced (ddp), optimizer state (zero1), + "
-                          "gradients (zero2), + parameters (zero3) sharded, or fsdp",
-                          choices=DP_FLAVOURS)
-    p2p: str = _f("auto", "how stages post messages: eager (non-blocking sends, MPI tags; CPU) "
-                  "or ordered (grouped send/recv matched by order, as NCCL needs; on MPI the "
-                  "sends are synchronous, so a CPU run proves the order safe); auto: ordered "
-                  "on GPUs", choices=PIPELINE_P2P)
-
-
-@dataclass
-class DomainSection:
-    """[domain]: domain (spatial) parallel over the mesh's dom ranks."""
-
-    # Off by default: with MPI on CPU a message moves only inside MPI calls, so the interior
-    # computed "while halos fly" hides ~0.1 ms per layer and the split conv + concatenation
-    # costs more (bench halo). Worth trying where communication progresses by itself (NCCL).
-    overlap: bool = _f(False, "compute the tile interior while halos are in flight")
-
-
-@dataclass
-class TensorSection:
-    """[tensor]: tensor parallel over the mesh's tp ranks (Megatron-LM layers)."""
-
-    sequence_parallel: bool = _f(False, "run LayerNorm/dropout regions on sequence chunks "
-                                 "(all-gather + reduce-scatter instead of all-reduce; their "
-                                 "activation memory / tp)")
-    plan: dict = _f(None, "module-name patterns -> styles (colwise, rowwise, vocab_embedding, "
-                    "vocab_head, sequence_parallel, attention_dropout; colwise may be a table "
-                    "{style, parts, heads}); empty: the model's own plan",
-                    default_factory=dict)
-
-
-@dataclass
-class FSDPSection(UnitPolicy):
-    """[fsdp]: fully sharded data parallel (strategy fsdp)."""
-
-    sharding_strategy: str = _f("FULL_SHARD", "FULL_SHARD (zero3 per unit), SHARD_GRAD_OP, "
-                                "NO_SHARD (replicas) or HYBRID_SHARD (shard in node, replicate "
-                                "across)", choices=FSDP_SHARDING)
-    backward_prefetch: str = _f("BACKWARD_PRE", "gather the next unit before this unit's backward "
-                                "(BACKWARD_PRE) or not (NONE)", choices=FSDP_PREFETCH)
-    param_dtype: str = _f("", "dtype of gathered params the model computes with ('': keep fp32)",
-                          choices=FSDP_DTYPES)
-    reduce_dtype: str = _f("", "dtype gradients are reduced in ('': the param dtype)",
-                           choices=FSDP_DTYPES)
-    buffer_dtype: str = _f("", "dtype of floating buffers ('': keep)", choices=FSDP_DTYPES)
-    cpu_offload: bool = _f(False, "keep shards, their grads and optimizer state on the host (GPU)")
-    sync_batchnorm: bool = _f(True, "BatchNorm statistics over the global batch (all ranks)")
-    allgather_bucket_size: int = _f(ALLGATHER_BUCKET_BYTES, "bytes: BACKWARD_PRE gathers the "
-                                    "next unit ahead only when its full buffer fits this",
-                                    min=1)
-
-
-@dataclass
 class RuntimeSection:
     """[runtime]: the world, devices and the mesh."""
 
@@ -262,19 +150,8 @@ class CheckpointSection:
                                 "odls_base_sigkill_timeout, SLURM 30, PBS 10)", min=0.0)
 
 
-@dataclass
-class Config:
-    """The whole config: one dataclass per TOML table."""
-
-    train: TrainSection = field(default_factory=TrainSection)
-    ddp: DDPSection = field(default_factory=DDPSection)
-    zero: ZeroSection = field(default_factory=ZeroSection)
-    pipeline: PipelineSection = field(default_factory=PipelineSection)
-    domain: DomainSection = field(default_factory=DomainSection)
-    tensor: TensorSection = field(default_factory=TensorSection)
-    fsdp: FSDPSection = field(default_factory=FSDPSection)
-    runtime: RuntimeSection = field(default_factory=RuntimeSection)
-    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+class _Config:
+    """The methods of Config (its fields, one per TOML table, are below)."""
 
     def validate(self, world_size: int = 1) -> "Config":
         """Check every field and the cross-field rules; raise ConfigError naming the key."""
@@ -284,7 +161,7 @@ class Config:
     def check(self, world_size: int):
         """``validate``, returning the ParallelPlan it built (once) on the way."""
         for sname, section in self.sections().items():
-            for f in dataclasses.fields(section):
+            for f in config_keys(section):
                 _check_field(f"{sname}.{f.name}", getattr(section, f.name), f)
         t = self.train
         plan = self.plan(world_size)
@@ -294,11 +171,15 @@ class Config:
                 f"train.grad_accum = {t.grad_accum} is larger than train.global_batch_size = "
                 f"{t.global_batch_size}: every micro-batch needs at least one sample; lower "
                 f"--grad-accum or raise --global-batch-size")
+        # Each table the plan reads checks its own rules (the options class's ``check``).
+        for table in self.tables_read(plan):
+            section = getattr(self, table)
+            if hasattr(section, "check"):
+                section.check(self, plan)
         per_micro = t.global_batch_size // t.grad_accum
         batch_ranks = plan.batch_ranks
-        if plan.pipeline:
-            self._validate_pipeline(plan)
-        elif per_micro < batch_ranks:
+        # (a pipeline's micro-batches split into its own pieces: its check says how)
+        if not plan.uses("pipeline") and per_micro < batch_ranks:
             raise ConfigError(
                 f"train.global_batch_size = {t.global_batch_size} with grad_accum = {t.grad_accum} "
                 f"gives micro-batches of {per_micro} samples, fewer than the {batch_ranks} ranks "
@@ -327,8 +208,6 @@ class Config:
             raise ConfigError(f"runtime.ranks_per_node = {rpn}: the {world_size} ranks launched "
                               f"are not divisible by it; launch a multiple of {rpn} ranks or "
                               f"change --ranks-per-node")
-        if plan.flavour in registry.SHARDED_FLAVOURS and not plan.pipeline:  # units
-            self._validate_wrap(registry.flavour(plan.flavour).table)
         return plan
 
     def plan(self, world_size: int):
@@ -352,12 +231,12 @@ class Config:
             if sname in used:
                 continue
             section, default = getattr(self, sname), type(getattr(self, sname))()
-            for f in dataclasses.fields(section):
+            for f in config_keys(section):
                 value = getattr(section, f.name)
                 if value != getattr(default, f.name):
                     users = registry.strategies_reading(sname)
                     raise ConfigError(
-                        f"{sname}.{f.name} = {value!r} is set, but train.strategy = "
+                        f"{sname}.{f.name} = {_toml_form(value)!r} is set, but train.strategy = "
                         f"{self.train.strategy!r} (plan {plan.name}) does not read [{sname}] "
                         f"(used by {', '.join(users)}); drop the option or pick one of those "
                         f"strategies")
@@ -378,45 +257,13 @@ class Config:
             raise ConfigError("train.lr_schedule_options is set, but warmup_cosine reads "
                               "train.warmup_steps, warmup_start_factor and min_lr; drop the table")
 
-    def _validate_wrap(self, name: str) -> None:
-        """The unit policy of [fsdp] or [zero] has what it needs."""
-        s = getattr(self, name)
-        if s.auto_wrap_policy == "class" and not s.wrap_classes.strip():
-            raise ConfigError(f"{name}.auto_wrap_policy = 'class' needs {name}.wrap_classes, "
-                              f"e.g. --set {name}.wrap_classes=GPTBlock")
-        if s.auto_wrap_policy == "size" and s.min_params < 1:
-            raise ConfigError(f"{name}.auto_wrap_policy = 'size' needs {name}.min_params >= 1, "
-                              f"got {s.min_params}; e.g. --set {name}.min_params=100000")
-
-    def _validate_pipeline(self, plan) -> None:
-        """Pipeline rules: micro-batches that divide the batch, fp32/bf16."""
-        t, pl = self.train, self.pipeline
-        m, dp, p = pl.microbatches, plan.dp, plan.pp
-        if plan.tp > 1 and pl.balance == "measured":
-            raise ConfigError("pipeline.balance = 'measured' times each layer alone, which "
-                              "tensor-parallel layers (tp > 1) cannot be; use param-count")
-        if t.global_batch_size % (t.grad_accum * dp * m):
-            raise ConfigError(
-                f"pipeline.microbatches = {m} does not divide the batch: global_batch_size = "
-                f"{t.global_batch_size} must be a multiple of grad_accum ({t.grad_accum}) x dp "
-                f"({dp}) x microbatches ({m}) = {t.grad_accum * dp * m}; change "
-                f"--global-batch-size or --set pipeline.microbatches=N")
-        if pl.schedule == "interleaved-1f1b":
-            if pl.virtual_stages < 2:
-                raise ConfigError("pipeline.virtual_stages = 1 with interleaved-1f1b: use 2 or "
-                                  "more chunks per rank, or schedule 1f1b")
-            if m % p:
-                raise ConfigError(
-                    f"pipeline.microbatches = {m} with interleaved-1f1b must be a multiple of "
-                    f"pp = {p}; use --set pipeline.microbatches={max(p, m - m % p)}")
-        if t.precision == "fp16":
-            raise ConfigError("train.precision = 'fp16' is not supported with strategy "
-                              "'pipeline' (stages would need to agree on skipped steps); use bf16")
     def sections(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return {name: dataclasses.asdict(sec) for name, sec in self.sections().items()}
+        """Each table's keys in their TOML form (a tuple key: comma-separated names)."""
+        return {name: {f.name: _toml_form(getattr(sec, f.name)) for f in config_keys(sec)}
+                for name, sec in self.sections().items()}
 
     def to_toml(self) -> str:
         """Render as TOML text that load_config reads back to an equal Config."""
@@ -436,6 +283,28 @@ class Config:
         return "\n".join(lines)
 
 
+def _table(name: str, cls: type):
+    return name, cls, field(default_factory=cls)
+
+
+#: The whole config: one dataclass per TOML table ([train], then each strategy's options
+#: class, registry.OPTIONS, then [runtime] and [checkpoint]); ``cfg.pipeline`` is the
+#: PipelineOptions the pipeline runs with.
+Config = dataclasses.make_dataclass(
+    "Config", [_table("train", TrainSection)]
+    + [_table(name, registry.options_class(name)) for name in registry.OPTIONS]
+    + [_table("runtime", RuntimeSection), _table("checkpoint", CheckpointSection)],
+    bases=(_Config,), namespace={"__module__": __name__, "__doc__": "The whole config: one "
+                                 "dataclass per TOML table (a strategy's table is its options "
+                                 "class, registry.OPTIONS)."})
+
+
+def config_keys(section) -> tuple:
+    """The fields of a table that are config keys (an options class's fields the run fills
+    in, ``option.given``, are not)."""
+    return tuple(f for f in dataclasses.fields(section) if f.metadata.get("config", True))
+
+
 def _toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
@@ -448,18 +317,25 @@ def _toml_value(v: Any) -> str:
     raise ConfigError(f"cannot write {v!r} ({type(v).__name__}) to TOML")
 
 
+def _toml_form(value: Any) -> Any:
+    return ", ".join(value) if isinstance(value, tuple) else copy.deepcopy(value)
+
+
 def _type_name(tp) -> str:
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string",
-            dict: "a table"}.get(tp, str(tp))
+            dict: "a table", tuple: "comma-separated names (a string)"}.get(tp, str(tp))
 
 
 def _field_type(f: dataclasses.Field) -> type:
     # Annotations are strings under `from __future__ import annotations`.
-    return {"int": int, "float": float, "bool": bool, "str": str, "dict": dict}[f.type]
+    return {"int": int, "float": float, "bool": bool, "str": str, "dict": dict,
+            "tuple": tuple}[f.type]
 
 
 def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
     tp = _field_type(f)
+    if tp is tuple and isinstance(value, str):  # a tuple key's TOML form
+        value = names(value)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if tp is bool and not isinstance(value, bool):
@@ -492,7 +368,7 @@ def _apply(cfg: Config, data: Mapping[str, Any], origin: str) -> None:
         if not isinstance(values, Mapping):
             raise ConfigError(f"{origin}: {sname} must be a table, got {values!r}")
         section = sections[sname]
-        fields = {f.name: f for f in dataclasses.fields(section)}
+        fields = {f.name: f for f in config_keys(section)}
         for key, value in values.items():
             if key not in fields:
                 raise ConfigError(f"{origin}: unknown key {sname}.{key}; valid keys: "

@@ -22,7 +22,7 @@ from torch import nn
 
 from hpctrain.bench.gloo_group import destroy_gloo, init_gloo
 from hpctrain.parallel.base import Parallelized
-from hpctrain.parallel import registry
+from hpctrain import registry
 
 __all__ = ["ENTRIES", "STRATEGIES", "Entry", "Stack", "formula_bytes", "layers_for", "measure",
            "resolve"]

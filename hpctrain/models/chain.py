@@ -66,7 +66,7 @@ def split_model(model: nn.Module, sample: torch.Tensor | None = None) -> LayerSt
         raise TypeError(f"splitting {type(model).__name__} as a generic chain "
                         f"({', '.join(layer.name for layer in stack.layers)}) needs a sample "
                         f"input to check it against the model's forward (the CLI uses the data "
-                        f"set's; the Python API: PipelineOptions.sample). {_FIX}")
+                        f"set's; the Python API: wrap(..., data=RunData(dataset))). {_FIX}")
     _check_covers(model, stack)
     if sample is not None:
         output = check_chain(model, stack, sample)

@@ -18,7 +18,7 @@ def __getattr__(name):
         # transform, three presets (zero.options_for fills in or checks the stage); pipeline
         # takes a LayerStack (models.registry.build_layers) or an nn.Sequential; tensor:
         # TensorOptions, else the model's tp_plan.
-        from hpctrain.parallel.registry import STRATEGIES
+        from hpctrain.registry import STRATEGIES
 
         return STRATEGIES
     if name in ("Parallelized", "OptimizerFactory"):
@@ -29,14 +29,16 @@ def __getattr__(name):
 
 
 def wrap(strategy: str, model, make_optimizer, world, options=None, mesh: str = "",
-         dp_flavour: str = ""):
+         dp_flavour: str = "", data=None):
     """Apply the named strategy (a one-dimensional plan; with ``mesh``/``dp_flavour`` a
     composed one) to model and optimizer through the orchestrator (collective over the
     world). ``options`` is the strategy's own options object (ZeroOptions, PipelineOptions,
-    ...); a zero stage contradicting the name is a ValueError before any collective."""
+    ...); a zero stage contradicting the name is a ValueError before any collective.
+    ``data``: the run's data (orchestrator.RunData), which the pipeline probes (balance =
+    "measured", a user module's split)."""
     import importlib
 
-    from hpctrain.parallel import registry
+    from hpctrain import registry
     from hpctrain.parallel.orchestrator import parallelize
     from hpctrain.parallel.plan import build_plan
 
@@ -57,4 +59,5 @@ def wrap(strategy: str, model, make_optimizer, world, options=None, mesh: str = 
     plan = build_plan(strategy, mesh or pipeline_mesh, world.size, dp_flavour,
                       getattr(options, "dp_sharding", "ddp") if strategy == "pipeline" else "ddp")
     table = registry.STRATEGY_TABLE.get(strategy)
-    return parallelize(plan, model, make_optimizer, world, {table: options} if table else {})
+    return parallelize(plan, model, make_optimizer, world, {table: options} if table else {},
+                       data=data)

@@ -9,30 +9,17 @@ the world size even when the batch does not split evenly over ranks.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from hpctrain.errors import UsageError
 from hpctrain.parallel.base import DPGroups, OptimizerFactory, Parallelized
+from hpctrain.parallel.ddp_options import DDPOptions
 from hpctrain.parallel.placement import Copies
 from hpctrain.parallel.sync_batchnorm import convert_sync_batchnorm
 from hpctrain.runtime.flight import RECORDER, group_key
 
 __all__ = ["DDPOptions", "wrap"]
-
-
-@dataclass(frozen=True)
-class DDPOptions:
-    """Horovod knobs: fp16 gradient compression, tensor fusion, micro-batches per step, and
-    whether BatchNorm layers use global-batch statistics."""
-
-    fp16_compression: bool = False
-    fusion_threshold_mb: float = 128.0
-    cycle_time_ms: float = 1.0
-    grad_accum: int = 1
-    sync_batchnorm: bool = True
 
 
 def _init_horovod(mpi_comm, opts: DDPOptions):

@@ -20,77 +20,23 @@ shards, their gradients and the optimizer state on the host (GPU runs only).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from hpctrain.parallel.base import DPGroups, OptimizerFactory, Parallelized
 from hpctrain.parallel.flat_buffer import FlatUnit
 from hpctrain.parallel.sharding.engine import ShardedModel, ShardPlan, prepare_model
-from hpctrain.parallel.sharding.reduction import DEFAULT_BUCKET_BYTES, check_bucket_size
 from hpctrain.parallel.sharding.schedule import GatherSchedule, cast_floating_inputs
 from hpctrain.parallel.sharding.solo import SoloCommunicator
-from hpctrain.parallel.units import WRAP_POLICIES, check_wrap_policy, wrapped_modules
+from hpctrain.parallel.fsdp_options import (BACKWARD_PREFETCH, DEFAULT_ALLGATHER_BUCKET_BYTES,
+                                             SHARDING_STRATEGIES, FSDPOptions)
+from hpctrain.parallel.units import WRAP_POLICIES, wrapped_modules
 
 __all__ = ["FSDPOptions", "SHARDING_STRATEGIES", "WRAP_POLICIES", "BACKWARD_PREFETCH",
            "DTYPES", "DEFAULT_ALLGATHER_BUCKET_BYTES", "wrap", "wrapped_modules"]
 
-SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
-BACKWARD_PREFETCH = ("BACKWARD_PRE", "NONE")
 DTYPES = {"": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-#: allgather_bucket_size's default: every unit up to 1 GiB is prefetched.
-DEFAULT_ALLGATHER_BUCKET_BYTES = 1 << 30
 _STAGE = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0, "HYBRID_SHARD": 3}
-
-
-@dataclass(frozen=True)
-class FSDPOptions:
-    """Sharding strategy, auto-wrap policy, prefetch, mixed precision and offload.
-
-    ``auto_wrap_policy``: "blocks" (the model's repeated blocks, ``models.structure``, as
-    zero does), "class" (every module whose class name is in ``wrap_classes``), "size"
-    (bottom-up, a module whose not-yet-wrapped parameters number at least ``min_params``)
-    or "none" (one unit); see ``units.wrapped_modules``. dtypes are "" (keep the
-    parameters' own), "fp32", "bf16" or "fp16".
-
-    Transient buffers, in bytes (as DeepSpeed's ``reduce_bucket_size`` and
-    ``allgather_bucket_size``): ``reduce_bucket_size`` bounds the gradient reduction's piece
-    buffers alive at once (as ZeroOptions'); ``allgather_bucket_size`` the parameters
-    gathered ahead of their use: BACKWARD_PRE prefetches the next unit only when its full
-    buffer fits (one unit ahead at a time), so a smaller bucket trades overlap for memory.
-    """
-
-    sharding_strategy: str = "FULL_SHARD"
-    auto_wrap_policy: str = "blocks"
-    wrap_classes: tuple = ()
-    min_params: int = 0
-    backward_prefetch: str = "BACKWARD_PRE"
-    param_dtype: str = ""
-    reduce_dtype: str = ""
-    buffer_dtype: str = ""
-    cpu_offload: bool = False
-    grad_accum: int = 1
-    sync_batchnorm: bool = True
-    reduce_bucket_size: int = DEFAULT_BUCKET_BYTES
-    allgather_bucket_size: int = DEFAULT_ALLGATHER_BUCKET_BYTES
-
-    def __post_init__(self):
-        def check(field, value, allowed):
-            if value not in allowed:
-                raise ValueError(f"FSDPOptions.{field} = {value!r}: expected one of "
-                                 f"{', '.join(repr(a) for a in allowed)}")
-        check("sharding_strategy", self.sharding_strategy, SHARDING_STRATEGIES)
-        check("backward_prefetch", self.backward_prefetch, BACKWARD_PREFETCH)
-        for f in ("param_dtype", "reduce_dtype", "buffer_dtype"):
-            check(f, getattr(self, f), tuple(DTYPES))
-        check_wrap_policy("FSDPOptions", "fsdp", self.auto_wrap_policy, self.wrap_classes,
-                          self.min_params)
-        if not isinstance(self.grad_accum, int) or self.grad_accum < 1:
-            raise ValueError(f"FSDPOptions.grad_accum = {self.grad_accum!r}: expected an int >= 1 "
-                             "(the number of backward calls per step)")
-        for key in ("reduce_bucket_size", "allgather_bucket_size"):
-            check_bucket_size("FSDPOptions", "fsdp", key, getattr(self, key))
 
 
 def _groups(world, strategy: str, dp):

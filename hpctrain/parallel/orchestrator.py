@@ -1,6 +1,7 @@
 """The orchestrator: a ParallelPlan in, one Parallelized out, transforms in a fixed order.
 
-1. model-parallel transforms: tensor parallel (Megatron layers over tp), domain layers;
+1. model-parallel transforms, in the registry's order: tensor parallel (Megatron layers
+   over tp), domain layers, and any other dimension's own transform (Dimension.transform);
 2. activation checkpointing (per block; per layer inside the pipeline);
 3. the pipeline split (this rank keeps its stages);
 4. the data-parallel flavour (ddp, zero1-3, fsdp) over the dp replicas, summing gradients
@@ -15,16 +16,35 @@ imports another one, this module is where they meet.
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
+from typing import Callable
 
+from hpctrain import registry
+from hpctrain.data.sampler import collate
+from hpctrain.data.structure import to_device
 from hpctrain.errors import UsageError
 from hpctrain.models.layers import LayerStack
 from hpctrain.parallel.base import DPGroups
 from hpctrain.parallel.executor import Executor
 from hpctrain.parallel.deferred import Materializer, has_placeholders, materialize, placeholders
-from hpctrain.parallel import registry
 from hpctrain.parallel.plan import ParallelPlan
 
-__all__ = ["parallelize", "defer_init", "has_deferred", "Composed"]
+__all__ = ["parallelize", "defer_init", "has_deferred", "Composed", "RunData"]
+
+
+@dataclass(frozen=True)
+class RunData:
+    """What the run hands ``parallelize`` beside the model, for the transforms that look at
+    the data before they split it (the pipeline: a micro-batch to time its layers on,
+    pipeline.balance = "measured", or two samples to check a user module's split on): the
+    data set, the samples of one micro-batch of the step (over all replicas), the loss, and
+    ``unit_count``, target -> the units its loss is a mean over (train.loss_weight =
+    "tokens"; None: a micro-batch's pieces count by their rows)."""
+
+    dataset: object
+    micro_batch: int = 1
+    loss_fn: Callable | None = None
+    unit_count: Callable | None = None
 
 
 class Composed:
@@ -220,13 +240,14 @@ def _flavour(plan: ParallelPlan, model, make_optimizer, world, options: dict, gr
 
 
 def parallelize(plan: ParallelPlan, model, make_optimizer, world, options: dict | None = None,
-                activation_checkpointing: bool = False):
+                activation_checkpointing: bool = False, data: RunData | None = None):
     """Apply the plan's transforms to model (a LayerStack or nn.Sequential when the plan has
     a pipeline) and return the Parallelized (collective over the world).
 
     ``options``: typed options per config table ({"ddp": DDPOptions, "zero": ZeroOptions,
-    "fsdp": FSDPOptions, "pipeline": PipelineOptions, "domain": DomainOptions}); missing
-    ones take their defaults.
+    "fsdp": FSDPOptions, "pipeline": PipelineOptions, "domain": DomainOptions, ...}); missing
+    ones take their defaults. ``data``: the run's data (RunData), which the pipeline
+    probes.
     """
     options = dict(options or {})
     if plan.world_size != world.size:
@@ -239,26 +260,29 @@ def parallelize(plan: ParallelPlan, model, make_optimizer, world, options: dict 
         if activation_checkpointing:
             _checkpoint(model, world)
         return single.wrap(model, make_optimizer, world)
-    step, tensor = 1, None
-    if plan.tensor:
-        model, tensor = _tensor(plan, model, world, options, step)
-        step += 1
-    if plan.pipeline:
-        return _pipeline(plan, model, make_optimizer, world, options, activation_checkpointing,
-                         tensor, step)
-    executor, groups = tensor, DPGroups.of_world(world)
-    if plan.tensor:  # the tp ranks of a replica read the same samples
+    step, tensor, executor, groups = 1, None, None, DPGroups.of_world(world)
+    for dim in registry.by_transform_order():  # the model-parallel transforms, in order
+        if not plan.uses(dim.strategy):
+            continue
+        if dim.strategy == "pipeline":  # last: it applies the flavour to its stages
+            return _pipeline(plan, model, make_optimizer, world, options,
+                             activation_checkpointing, tensor, step, data)
         mesh = world.mesh(plan.layout)
-        groups = DPGroups(mesh.comm("dp"), (), mesh.comm("dp"))
-    if plan.domain:
-        from hpctrain.parallel.domain import strategy as domain
+        if dim.strategy == "tensor":
+            model, tensor = _tensor(plan, model, world, options, step)
+            executor = tensor
+            # the tp ranks of a replica read the same samples
+            groups = DPGroups(mesh.comm("dp"), (), mesh.comm("dp"))
+        elif dim.strategy == "domain":
+            from hpctrain.parallel.domain import strategy as domain
 
-        mesh = world.mesh(plan.layout)
-        model, executor = domain.prepare(model, world, mesh, options.get("domain"))
-        groups = DPGroups(mesh.comm("dp"), executor.partial_groups, world.comm)
-        _log(world, f"transform {step}: domain: spatial layers split over dom="
-                    f"{'x'.join(map(str, plan.dom))} ({_ranks(mesh.comm('dom'))}); weight "
-                    f"gradients are partial over dom")
+            model, executor = domain.prepare(model, world, mesh, options.get("domain"))
+            groups = DPGroups(mesh.comm("dp"), executor.partial_groups, world.comm)
+            _log(world, f"transform {step}: domain: spatial layers split over dom="
+                        f"{'x'.join(map(str, plan.dom))} ({_ranks(mesh.comm('dom'))}); weight "
+                        f"gradients are partial over dom")
+        else:
+            model, executor, groups = _transform(dim, plan, model, world, mesh, options, step)
         step += 1
     if activation_checkpointing:
         n = _checkpoint(model, world)
@@ -311,14 +335,49 @@ def _tensor(plan: ParallelPlan, model, world, options: dict, step: int):
     return model, tensor
 
 
+def _transform(dim, plan: ParallelPlan, model, world, mesh, options: dict, step: int):
+    """Any other dimension: its registered transform (``Dimension.transform``,
+    ``prepare(model, world, mesh, options) -> (model, executor)``) over its mesh key; the
+    dp flavour then sums over dp and the groups the executor says its gradients are partial
+    over (``partial_groups``, if it has any)."""
+    module, _, name = dim.transform.partition(":")
+    prepare = getattr(importlib.import_module(module), name)
+    model, executor = prepare(model, world, mesh, options.get(dim.table))
+    partial = getattr(executor, "partial_groups", ())
+    _log(world, f"transform {step}: {dim.strategy}: {dim.noun} over {dim.key}="
+                f"{plan.degree(dim.key)} ({_ranks(mesh.comm(dim.key))})")
+    return model, executor, DPGroups(mesh.comm("dp"), partial)
+
+
 def _checkpoint(model, world) -> int:
     from hpctrain.parallel.activation_checkpointing import checkpoint_blocks
 
     return checkpoint_blocks(model, is_main=world.is_main)
 
 
+def _probe(opts, data: RunData | None, stack, world):
+    """What the pipeline reads of the run's data (pipeline.Probe): a micro-batch's input
+    and target on the device and the loss, to time the layers on (balance = "measured"),
+    else a user module's two sample inputs on its device, to check its split against its
+    forward; and how a target counts its loss's units."""
+    from hpctrain.parallel.pipeline import Probe
+
+    if data is None:
+        return Probe()
+    if opts.balance == "measured":
+        n = data.micro_batch // opts.microbatches
+        x, y = collate(data.dataset, range(max(1, n)))
+        return Probe(to_device(x, world.device), to_device(y, world.device), data.loss_fn,
+                     data.unit_count)
+    if not isinstance(stack, LayerStack):  # a user's module (the Trainer's Python API)
+        device = next(stack.parameters()).device
+        x = collate(data.dataset, range(min(2, len(data.dataset))))[0]
+        return Probe(to_device(x, device), unit_count=data.unit_count)
+    return Probe(unit_count=data.unit_count)
+
+
 def _pipeline(plan, stack, make_optimizer, world, options, activation_checkpointing,
-              tensor=None, step=1):
+              tensor=None, step=1, data: RunData | None = None):
     """The pipeline split, then the dp flavour over each stage's replicas, sharding the
     units the pipeline names (the parameters each set of its chunks uses)."""
     from dataclasses import replace
@@ -328,7 +387,7 @@ def _pipeline(plan, stack, make_optimizer, world, options, activation_checkpoint
     opts = options.get("pipeline") or PipelineOptions()
     opts = replace(opts, mesh=plan.layout, dp_sharding=plan.flavour,
                    activation_checkpointing=activation_checkpointing or opts.activation_checkpointing)
-    root, executor = prepare(stack, world, opts, plan.flavour)
+    root, executor = prepare(stack, world, opts, plan.flavour, _probe(opts, data, stack, world))
     _log(world, f"transform {step}: pipeline: {plan.pp} stages in each of {plan.dp} replicas; "
                 f"activation recompute per layer: "
                 f"{'on' if opts.activation_checkpointing else 'off'}")

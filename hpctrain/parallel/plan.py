@@ -13,48 +13,84 @@ tile, ``tensor`` = every rank a tensor-parallel slice); ``--mesh`` and ``--dp-fl
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from hpctrain import registry
 from hpctrain.runtime.mesh import MeshLayout
 
-from hpctrain.parallel import registry
-
 __all__ = ["ParallelPlan", "PlanError", "build_plan"]
+
+_STRATEGIES = tuple(d.strategy for d in registry.DIMENSIONS)
 
 
 class PlanError(ValueError):
     """The plan cannot run; the message says which degree or flavour and what to do."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class ParallelPlan:
-    """Degrees of the mesh (pp stages, dp replicas, tp, dom tile grid) and the flavour that
-    keeps the dp replicas in step. ``name`` is what summaries and checkpoints call it: the
-    shorthand strategy for one-dimensional plans, ``domain+zero3``-style when composed."""
+    """Degrees of the mesh (one per registry mesh key: pp stages, dp replicas, tp, the dom
+    tile grid, ...), the dimensions whose transform runs, and the flavour that keeps the dp
+    replicas in step. ``name`` is what summaries and checkpoints call it: the shorthand
+    strategy for one-dimensional plans, ``domain+zero3``-style when composed.
 
-    pp: int = 1
-    dp: int = 1
-    tp: int = 1
-    dom: tuple = (1,)
-    flavour: str = "ddp"
-    name: str = "single"
-    # The transform runs even at degree 1 (``--strategy pipeline`` on one rank is one stage).
-    pipeline: bool = False
-    domain: bool = False
-    tensor: bool = False
+    Built as ``ParallelPlan(pp=2, dp=2, pipeline=True, flavour="zero1", name=...)``: a mesh
+    key gives its degree (default 1), a dimension's strategy whether its transform runs
+    (even at degree 1: ``--strategy pipeline`` on one rank is one stage). Both read back as
+    attributes (``plan.pp``, ``plan.dom``, ``plan.dom_size``, ``plan.pipeline``)."""
 
-    @property
-    def dom_size(self) -> int:
-        return self.layout.dom_size
+    dims: tuple  # (mesh key, degree) in rank order; a grid key's degree is its shape
+    applied: frozenset  # the strategies of the dimensions whose transform runs
+    flavour: str
+    name: str
+
+    def __init__(self, flavour: str = "ddp", name: str = "single", **dims):
+        degrees = {k: (1,) if k in registry.GRID_KEYS else 1 for k in registry.MESH_KEYS}
+        applied = set()
+        for key, value in dims.items():
+            if key in degrees:
+                degrees[key] = tuple(value) if key in registry.GRID_KEYS else value
+            elif key in _STRATEGIES:
+                if value:
+                    applied.add(key)
+            else:
+                raise TypeError(f"ParallelPlan: unknown dimension {key!r}; expected a mesh key "
+                                f"({', '.join(registry.MESH_KEYS)}) or a dimension's strategy "
+                                f"({', '.join(_STRATEGIES)})")
+        object.__setattr__(self, "dims", tuple(degrees.items()))
+        object.__setattr__(self, "applied", frozenset(applied))
+        object.__setattr__(self, "flavour", flavour)
+        object.__setattr__(self, "name", name)
+
+    def __getattr__(self, name: str):
+        # Only what the fields do not hold: never a field itself (copy and pickle look
+        # attributes up before the fields are set).
+        if name in ("dims", "applied", "flavour", "name") or name.startswith("__"):
+            raise AttributeError(name)
+        degrees = dict(self.dims)
+        if name in degrees:
+            return degrees[name]
+        if name in _STRATEGIES:
+            return name in self.applied
+        if name.endswith("_size") and name[:-len("_size")] in registry.GRID_KEYS:
+            return math.prod(degrees[name[:-len("_size")]])
+        raise AttributeError(f"ParallelPlan has no attribute {name!r}; its dimensions are the "
+                             f"mesh keys {', '.join(registry.MESH_KEYS)} and the strategies "
+                             f"{', '.join(_STRATEGIES)}")
+
+    def degree(self, key: str) -> int:
+        """Ranks along mesh key ``key`` (a grid: the product of its shape)."""
+        return self.layout.degrees()[key]
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp * self.dom_size
+        return math.prod(self.layout.degrees().values())
 
     @property
     def layout(self) -> MeshLayout:
         """The mesh layout (rank order: see runtime/mesh.py)."""
-        return MeshLayout(pp=self.pp, dp=self.dp, dom=tuple(self.dom), tp=self.tp)
+        return MeshLayout(**dict(self.dims))
 
     @property
     def batch_ranks(self) -> int:
@@ -73,21 +109,21 @@ class ParallelPlan:
             out.append(self.flavour)
         return out
 
+    def _above_one(self) -> list[tuple[str, str]]:
+        """(key, degree as --mesh writes it) of the degrees above 1, in rank order."""
+        sizes = self.layout.degrees()
+        return [(k, "x".join(map(str, v)) if k in registry.GRID_KEYS else str(v))
+                for k, v in self.dims if sizes[k] > 1]
+
     def mesh_text(self) -> str:
         """The degrees above 1 in mesh order, e.g. 'pp=2,dp=2' or 'dp=2,dom=2x2' ('dp=1':
         one rank); ``--mesh`` reads it back."""
-        parts = [f"{k}={v}" for k, v in (("pp", self.pp), ("dp", self.dp)) if v > 1]
-        if self.dom_size > 1:
-            parts.append("dom=" + "x".join(map(str, self.dom)))
-        if self.tp > 1:
-            parts.append(f"tp={self.tp}")
-        return ",".join(parts) or "dp=1"
+        return ",".join(f"{k}={v}" for k, v in self._above_one()) or "dp=1"
 
     def describe(self) -> str:
-        dims = [f"{k}={v}" for k, v in (("pp", self.pp), ("dp", self.dp), ("tp", self.tp))
-                if v > 1]
-        if self.dom_size > 1:
-            dims.append("dom=" + "x".join(map(str, self.dom)))
+        above = self._above_one()  # the integer degrees first, then the grids
+        dims = [f"{k}={v}" for k, v in above if k not in registry.GRID_KEYS] + \
+               [f"{k}={v}" for k, v in above if k in registry.GRID_KEYS]
         return f"{self.name} ({' x '.join(dims) or 'one rank'}; dp flavour {self.flavour})"
 
 
@@ -138,5 +174,4 @@ def build_plan(strategy: str, mesh: str, world_size: int, dp_flavour: str = "",
         name = "+".join(parts)  # the shorthand keeps its name (pipeline: any dp flavour)
     else:
         name = "+".join(parts + [flavour])
-    return ParallelPlan(pp=layout.pp, dp=layout.dp, tp=layout.tp, dom=tuple(layout.dom),
-                        flavour=flavour, name=name, **on)
+    return ParallelPlan(flavour=flavour, name=name, **layout._fields(), **on)

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from hpctrain.errors import UsageError
+from hpctrain.parallel.unit_policy import WRAP_POLICIES, check_wrap_policy
 from hpctrain.models.structure import find_blocks, is_container
 
 __all__ = ["WRAP_POLICIES", "UnitSpec", "check_wrap_policy", "partition", "partition_modules",
            "rebind", "wrapped_modules"]
 
-WRAP_POLICIES = ("blocks", "class", "size", "none")
 
 
 @dataclass
@@ -34,25 +34,6 @@ class UnitSpec:
     name: str
     module: nn.Module | None
     params: list = field(default_factory=list)
-
-
-def check_wrap_policy(owner: str, table: str, policy: str, wrap_classes: tuple,
-                      min_params: int) -> None:
-    """Raise UsageError (a ValueError) if the policy fields of options class ``owner`` (config
-    table ``table``) do not fit together; the options are built after MPI started, so the
-    CLI prints the sentence."""
-    if policy not in WRAP_POLICIES:
-        raise UsageError(f"{owner}.auto_wrap_policy = {policy!r}: expected one of "
-                         f"{', '.join(repr(p) for p in WRAP_POLICIES)}")
-    if not isinstance(wrap_classes, tuple):
-        raise TypeError(f"{owner}.wrap_classes = {wrap_classes!r}: expected a tuple of class "
-                        "names, e.g. ('GPTBlock',)")
-    if policy == "class" and not wrap_classes:
-        raise UsageError(f"{owner}.auto_wrap_policy = 'class' needs wrap_classes, e.g. "
-                         f"('GPTBlock',) (--set {table}.wrap_classes=GPTBlock)")
-    if policy == "size" and (not isinstance(min_params, int) or min_params < 1):
-        raise UsageError(f"{owner}.auto_wrap_policy = 'size' needs min_params >= 1, got "
-                         f"{min_params!r} (--set {table}.min_params=100000)")
 
 
 def wrapped_modules(model: nn.Module, opts) -> list[tuple[str, nn.Module]]:

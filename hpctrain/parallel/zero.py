@@ -18,51 +18,17 @@ must run the same modules.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from torch import nn
 
 from hpctrain.parallel.base import DPGroups, OptimizerFactory, Parallelized
 from hpctrain.parallel.flat_buffer import FlatUnit
 from hpctrain.parallel.sharding.engine import ShardedModel, ShardPlan, prepare_model
-from hpctrain.parallel.sharding.reduction import DEFAULT_BUCKET_BYTES, check_bucket_size
 from hpctrain.parallel.sharding.schedule import GatherSchedule
-from hpctrain.parallel.units import check_wrap_policy
+from hpctrain.parallel.zero_options import ZeroOptions
 
 __all__ = ["ZeroOptions", "options_for", "wrap"]
-
-
-@dataclass(frozen=True)
-class ZeroOptions:
-    """ZeRO stage (1: optimizer state, 2: + gradients, 3: + parameters sharded; None: taken
-    from the strategy name by ``options_for``), micro-batches per step, whether BatchNorm
-    layers use global-batch statistics, and the units' auto-wrap policy (as FSDPOptions:
-    "blocks", "class" + ``wrap_classes``, "size" + ``min_params``, "none").
-
-    ``reduce_bucket_size`` (bytes, as DeepSpeed's): stages 2 and 3 reduce-scatter each unit's
-    gradients during backward in pieces of at most this many bytes, and hold at most this
-    many bytes of piece buffers at once (in flight or kept for reuse; the backend stages up
-    to as much again to receive them): the memory next to the gradients, against how far
-    the reductions may lag behind backward. Stage 1 reduces at the step, in place."""
-
-    stage: int | None = None
-    grad_accum: int = 1
-    sync_batchnorm: bool = True
-    auto_wrap_policy: str = "blocks"
-    wrap_classes: tuple = ()
-    min_params: int = 0
-    reduce_bucket_size: int = DEFAULT_BUCKET_BYTES
-
-    def __post_init__(self):
-        if self.stage not in (None, 1, 2, 3):
-            raise ValueError(f"ZeroOptions.stage = {self.stage!r}: expected 1, 2 or 3 "
-                             "(strategies zero1, zero2, zero3)")
-        if not isinstance(self.grad_accum, int) or self.grad_accum < 1:
-            raise ValueError(f"ZeroOptions.grad_accum = {self.grad_accum!r}: expected an int >= 1 "
-                             "(the number of backward calls per step)")
-        check_wrap_policy("ZeroOptions", "zero", self.auto_wrap_policy, self.wrap_classes,
-                          self.min_params)
-        check_bucket_size("ZeroOptions", "zero", "reduce_bucket_size", self.reduce_bucket_size)
 
 
 def options_for(strategy: str, options: ZeroOptions | None) -> ZeroOptions:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hpctrain.config import Config, ConfigError, load_config
-from hpctrain.parallel.registry import FLAVOUR_NAMES, SHARDED_FLAVOURS, flavour as flavour_of
+from hpctrain.registry import FLAVOUR_NAMES, SHARDED_FLAVOURS, flavour as flavour_of
 
 __all__ = ["Candidate", "Request", "candidates", "config_of", "overrides_of"]
 

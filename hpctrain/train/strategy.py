@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import inspect
 
 import torch
 
-from hpctrain.config import Config, ConfigError, TrainSection
-from hpctrain.parallel import registry
+from hpctrain import registry
+from hpctrain.config import Config, ConfigError, TrainSection, _field_type, config_keys
+from hpctrain.option import names
 
 __all__ = ["make_optimizer_factory", "check_optimizer", "optimizer_class", "plan_options",
            "strategy_options", "NOT_SHARDABLE"]
@@ -116,43 +118,30 @@ def _one_line(exc: Exception) -> str:
 
 
 def plan_options(cfg: Config, flavour: str | None = None) -> dict:
-    """Typed options of every table a plan may read, keyed by table name (the orchestrator
-    picks the ones its transforms use): each filled from its config section field by field
-    (registry.OPTIONS), plus what the options take from [train] (grad_accum, activation
-    checkpointing) and the zero stage of ``flavour`` (default: the strategy's, or
-    runtime.dp_flavour)."""
+    """The options of every table a plan may read, keyed by table name (the orchestrator
+    picks the ones its transforms use): each table IS its options class (registry.OPTIONS),
+    so this is a copy of the validated section with what the run gives filled in: the
+    fields [train] sets (grad_accum, activation checkpointing) and the zero stage of
+    ``flavour`` (default: the strategy's, or runtime.dp_flavour)."""
     t = cfg.train
     flavour = flavour or cfg.runtime.dp_flavour or t.strategy
     stage = registry.flavour(flavour).stage if flavour in registry.FLAVOUR_NAMES else None
     given = {"grad_accum": t.grad_accum, "activation_checkpointing": t.activation_checkpointing,
              "stage": stage}
-    return {table: _options(getattr(cfg, table), registry.OPTIONS[table], given)
-            for table in registry.TABLES}
+    return {table: _for_run(getattr(cfg, table), given) for table in registry.OPTIONS}
 
 
-def _options(section, spec: str, given: dict):
-    """The options class ``spec`` ('module:Class') filled from ``section``'s fields (a
-    comma-separated class list becomes a tuple, a table a fresh dict) and ``given``."""
-    module_name, _, name = spec.partition(":")
-    cls = getattr(importlib.import_module(module_name), name)
-    values = {}
-    for f in dataclasses.fields(cls):
-        if hasattr(section, f.name):
-            value = getattr(section, f.name)
-            if f.name == "wrap_classes":
-                value = _class_names(value)
-            values[f.name] = dict(value) if isinstance(value, dict) else value
-        elif f.name in given:
-            values[f.name] = given[f.name]
-    return cls(**values)
+def _for_run(section, given: dict):
+    """A copy of ``section`` with the run's values of its ``given`` fields (a tuple key
+    assigned its TOML string form in Python read as the config reads it)."""
+    keys = {f.name for f in dataclasses.fields(section)} - {f.name for f in config_keys(section)}
+    values = {k: v for k, v in given.items() if k in keys}
+    values.update({f.name: names(getattr(section, f.name)) for f in config_keys(section)
+                   if _field_type(f) is tuple})
+    return dataclasses.replace(copy.deepcopy(section), **values)
 
 
 def strategy_options(cfg: Config):
     """The typed options of the strategy's own table (None for single)."""
     table = registry.STRATEGY_TABLE.get(cfg.train.strategy)
     return plan_options(cfg)[table] if table else None
-
-
-def _class_names(text: str) -> tuple:
-    """'GPTBlock, MLPBlock' -> ('GPTBlock', 'MLPBlock')."""
-    return tuple(c.strip() for c in text.split(",") if c.strip())

@@ -18,11 +18,10 @@ from hpctrain.runtime.run_lock import take as take_run_lock
 from hpctrain.runtime.timeline import TIMELINE, merge as merge_timeline
 from hpctrain.runtime.watchdog import start_watchdog
 from hpctrain.data.loader import eval_source, train_reader
-from hpctrain.data.sampler import GlobalBatchSampler, collate
+from hpctrain.data.sampler import GlobalBatchSampler
 from hpctrain.data.structure import to_device
-from hpctrain.models.layers import LayerStack
 from hpctrain.models.registry import BuiltModel, build, build_deferred, build_layers
-from hpctrain.parallel.orchestrator import defer_init, has_deferred, parallelize
+from hpctrain.parallel.orchestrator import RunData, defer_init, has_deferred, parallelize
 from hpctrain.train.checked import CheckedRun, check_run
 from hpctrain.train.metrics import (SUMMARY_NAME, MetricsCSV, TensorBoardWriter,
                                     gather_peak_rss_mb, peak_rss_mb, write_summary)
@@ -201,19 +200,6 @@ class Trainer:
         t = cfg.train
         self.precision = Precision(t.precision, world.device)
         options = plan_options(cfg, self.plan.flavour)
-        if self.plan.pipeline and cfg.pipeline.balance == "measured":
-            n = t.global_batch_size // (t.grad_accum * cfg.pipeline.microbatches)
-            x, y = collate(self.built.dataset, range(max(1, n)))
-            po = options["pipeline"]
-            po.sample, po.sample_target = to_device(x, world.device), to_device(y, world.device)
-            po.loss_fn = self.built.loss_fn
-        elif self.plan.pipeline and not isinstance(self.built.model, LayerStack):
-            # A user's module (Trainer.fit): its split is checked against its forward on
-            # two samples, and a Hugging Face output type is kept (models/chain.py).
-            model, data = self.built.model, self.built.dataset
-            device = next(model.parameters()).device
-            options["pipeline"].sample = to_device(collate(data, range(min(2, len(data))))[0],
-                                                   device)
         if has_deferred(self.built.model) and world.is_main:
             print("hpctrain: deferred init: the model was built on the meta device; each rank "
                   "fills only the part it keeps, layer by layer", flush=True)
@@ -232,11 +218,14 @@ class Trainer:
         self.loss_fn = self.weighting.wrap(self.built.loss_fn)
         # what the loss averages over in a target (its own count_units, when it declares one)
         self.count = self.weighting.counter(self.built.loss_fn)
-        if self.plan.pipeline and self.weighting.tokens:  # its pieces count by tokens too
-            options["pipeline"].unit_count = self.count
         self._check_inputs()
+        # the data the transforms may look at first (the pipeline: a micro-batch to time its
+        # layers on, a user module's samples to check its split; its pieces count by tokens)
+        data = RunData(self.built.dataset, t.global_batch_size // t.grad_accum,
+                       self.built.loss_fn, self.count if self.weighting.tokens else None)
         self.par = parallelize(self.plan, self.built.model, make_optimizer_factory(t), world,
-                               options, activation_checkpointing=t.activation_checkpointing)
+                               options, activation_checkpointing=t.activation_checkpointing,
+                               data=data)
         self.schedule = make_schedule(self.par.optimizer, t)
         data_rank, data_ranks = self.par.data_shard(world)
         self.sampler = GlobalBatchSampler(len(self.built.dataset), t.global_batch_size, t.seed,

@@ -168,7 +168,7 @@ def test_measured_balance_counts_the_loss_on_the_last_layer():
     from types import SimpleNamespace
 
     from hpctrain.models.layers import from_sequential
-    from hpctrain.parallel.pipeline.strategy import PipelineOptions, _layer_costs
+    from hpctrain.parallel.pipeline.strategy import Probe, _layer_costs
 
     def slow_loss(out, target):
         deadline = time.perf_counter() + 0.05
@@ -179,9 +179,9 @@ def test_measured_balance_counts_the_loss_on_the_last_layer():
     stack = from_sequential(torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]))
     one = SimpleNamespace(size=1, device=torch.device("cpu"))  # a pp / dp of one rank
     x, y = torch.randn(4, 8), torch.randn(4, 8)
-    opts = PipelineOptions(balance="measured", sample=x, sample_target=y, loss_fn=slow_loss)
-    costs = _layer_costs(stack, opts, one, one)[0]
+    probe = Probe(sample=x, target=y, loss_fn=slow_loss)
+    costs = _layer_costs(stack, "measured", probe, one, one)[0]
     assert costs[-1] >= 0.05 and max(costs[:-1]) < 0.02, costs
     assert plan.balanced_split(costs, 2) == [0, 3]
-    plain = _layer_costs(stack, PipelineOptions(balance="measured", sample=x), one, one)[0]
+    plain = _layer_costs(stack, "measured", Probe(sample=x), one, one)[0]
     assert max(plain) < 0.02, plain  # no loss in the last layer's time

@@ -58,7 +58,7 @@ def test_bad_p2p_is_a_config_error(bad):
 def test_p2p_reaches_the_pipeline_and_auto_follows_the_device():
     import torch
 
-    from hpctrain.config import PIPELINE_P2P
+    from hpctrain.parallel.pipeline.options import P2P as PIPELINE_P2P
     from hpctrain.parallel.pipeline import prepare
     from hpctrain.parallel.pipeline.p2p import P2P_MODES, ordered_mode
 

@@ -1,5 +1,5 @@
-"""The one registry (parallel/registry.py): everything that names a parallelism derives from
-it, and each config section fills its options class field by field."""
+"""The one registry (hpctrain/registry.py): everything that names a parallelism or a mesh
+key derives from it, and each options class is its config table."""
 
 import dataclasses
 import importlib
@@ -8,27 +8,35 @@ import pytest
 
 from hpctrain import config
 from hpctrain.config import Config
-from hpctrain.parallel import registry
+from hpctrain import registry
 from hpctrain.parallel.plan import build_plan
-from hpctrain.train.strategy import _options, plan_options
+from hpctrain.runtime.mesh import DIMS, MeshLayout
+from hpctrain.train.strategy import plan_options
 
 
-def _class(spec):
-    module, _, name = spec.partition(":")
-    return getattr(importlib.import_module(module), name)
+@pytest.mark.parametrize("table", list(registry.OPTIONS))
+def test_each_options_class_is_its_config_table(table):
+    """Each options class is a dataclass whose every field carries its help line (a config
+    key's, or a field the run fills in), and it IS the config's [table]."""
+    cls = registry.options_class(table)
+    assert dataclasses.is_dataclass(cls)
+    for f in dataclasses.fields(cls):
+        assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help"
+    assert type(getattr(Config(), table)) is cls
 
 
-@pytest.mark.parametrize("table", registry.TABLES)
-def test_each_section_is_its_options_class(table):
-    """Every key of the [table] section is a field of its options class, with the same
-    default (a class list is a comma-separated string in TOML, a tuple in the options)."""
-    section, cls = getattr(Config(), table), _class(registry.OPTIONS[table])
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for f in dataclasses.fields(section):
-        assert f.name in fields, f"[{table}] {f.name} has no field in {cls.__name__}"
-        built = getattr(_options(section, registry.OPTIONS[table], {}), f.name)
-        want = getattr(cls(), f.name)
-        assert built == want, (table, f.name, built, want)
+def test_the_mesh_keys_are_the_registrys():
+    """The mesh's keys and rank order, its grid keys and the plan's attributes come from the
+    registry's dimensions (pp, dp, dom, tp: tp fastest of these four)."""
+    assert DIMS == registry.MESH_KEYS
+    assert [k for k in DIMS if k in ("pp", "dp", "dom", "tp")] == ["pp", "dp", "dom", "tp"]
+    assert "dom" in registry.GRID_KEYS and "tp" not in registry.GRID_KEYS
+    assert [f.name for f in dataclasses.fields(MeshLayout)] == list(DIMS)
+    plan = build_plan("pipeline", "pp=2,tp=2", 4)
+    assert (plan.pp, plan.tp, plan.dp, plan.dom, plan.dom_size) == (2, 2, 1, (1,), 1)
+    assert plan.pipeline and plan.tensor and not plan.domain and plan.world_size == 4
+    with pytest.raises(AttributeError, match="mesh keys pp, dp, dom, tp"):
+        plan.xx
 
 
 def test_everything_that_names_a_strategy_derives_from_the_registry():

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from hpctrain.runtime.mesh import MeshLayout
+from hpctrain.runtime.mesh import DIMS, MeshLayout
 from tests.mpirun import run_mpi
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -21,7 +21,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
     ("tp=2,dp=-1", 6, dict(pp=1, dp=3, dom=1, tp=2)),
 ])
 def test_layout_resolves(text, world, expect):
-    assert MeshLayout.parse(text).resolve(world).degrees() == expect
+    # every other registered key (a dimension added later) stays at 1
+    assert MeshLayout.parse(text).resolve(world).degrees() == {**dict.fromkeys(DIMS, 1),
+                                                               **expect}
 
 
 @pytest.mark.parametrize("text, world, words", [

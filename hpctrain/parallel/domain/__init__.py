@@ -3,11 +3,19 @@
 decomposition.py is pure arithmetic; halo.py the exchange and its adjoint; layers.py and
 convert.py the domain-parallel layers; functional.py the ops the forward calls itself (made
 exact on tiles or refused); strategy.py the ``domain`` transform (``prepare``: the model
-made domain parallel and its ``DomainExecutor``).
+made domain parallel and its ``DomainExecutor``); options.py the [domain] config table.
+Names load on first use, so ``options`` imports no torch.
 """
 
-from hpctrain.parallel.domain.decomposition import split_bounds
-from hpctrain.parallel.domain.halo import DomainGrid, halo_exchange, make_plan
-from hpctrain.parallel.domain.convert import to_domain
+import importlib
 
 __all__ = ["DomainGrid", "halo_exchange", "make_plan", "split_bounds", "to_domain"]
+
+_HOME = {"DomainGrid": "halo", "halo_exchange": "halo", "make_plan": "halo",
+         "split_bounds": "decomposition", "to_domain": "convert"}
+
+
+def __getattr__(name):
+    if name in _HOME:
+        return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

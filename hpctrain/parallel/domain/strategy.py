@@ -12,7 +12,6 @@ the loss weighting (``DomainExecutor``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -21,19 +20,11 @@ from hpctrain.parallel.domain.convert import to_domain
 from hpctrain.parallel.domain.decomposition import grid_shape_for
 from hpctrain.parallel.domain.functional import DomainFunctions, check, spatial_ndim
 from hpctrain.parallel.domain.halo import DomainGrid
+from hpctrain.parallel.domain.options import DomainOptions
 from hpctrain.parallel.placement import Copies, place, placement_of
 from hpctrain.runtime.abort import set_context
 
 __all__ = ["DomainOptions", "DomainExecutor", "prepare"]
-
-
-@dataclass(frozen=True)
-class DomainOptions:
-    """Whether to overlap halos with compute (the mesh comes from the ParallelPlan); a
-    ``sample`` input (whole grids) to check the forward's ops on before any collective."""
-
-    overlap: bool = False
-    sample: object = field(default=None, compare=False, repr=False)
 
 
 class DomainExecutor:
@@ -128,10 +119,12 @@ class DomainExecutor:
         return local
 
 
-def prepare(model: nn.Module, world, mesh, options: DomainOptions | None = None):
+def prepare(model: nn.Module, world, mesh, options: DomainOptions | None = None, sample=None):
     """Make model's spatial layers domain parallel over ``mesh.comm("dom")``; return (model,
     executor). Collective over the world (BatchNorm statistics span every rank that holds
-    part of the global batch: dom times dp, the whole world while pp = tp = 1)."""
+    part of the global batch: dom times dp, the whole world while pp = tp = 1). ``sample``:
+    an input of whole grids to check the forward's ops on first (the Python API; the
+    trainer checks them before MPI, train/checked.py)."""
     opts = options or DomainOptions()
     shape = grid_shape_for(mesh.layout.dom, spatial_ndim(model))  # fails on every rank alike
     if mesh.size("pp") > 1 or mesh.size("tp") > 1:
@@ -139,8 +132,8 @@ def prepare(model: nn.Module, world, mesh, options: DomainOptions | None = None)
                          "only (pp = tp = 1)")
     grid = DomainGrid(mesh.comm("dom"), shape)
     model.to(world.device)
-    if opts.sample is not None:  # every op of the forward, on whole grids: fails on every rank
-        check(model, opts.sample.to(world.device))
+    if sample is not None:  # every op of the forward, on whole grids: fails on every rank
+        check(model, sample.to(world.device))
     with torch.no_grad():  # identical start everywhere, whatever the user's init did
         for t in model.state_dict().values():
             world.comm.broadcast(t, root=0)

@@ -3,10 +3,19 @@
 ``prepare(layer_stack, world, PipelineOptions)`` is the one public entry (the orchestrator
 applies the dp flavour to the stage it returns); the
 schedules (``schedule``) and the stage split (``plan``) are pure and testable without MPI.
+Names load on first use, so ``options`` (the [pipeline] config table) imports no torch.
 """
 
-from hpctrain.parallel.pipeline.plan import check_fits
-from hpctrain.parallel.pipeline.strategy import PipelineExecutor, PipelineOptions, prepare, \
-    resolve_layout
+import importlib
 
-__all__ = ["PipelineOptions", "PipelineExecutor", "check_fits", "prepare", "resolve_layout"]
+__all__ = ["PipelineOptions", "PipelineExecutor", "Probe", "check_fits", "prepare",
+           "resolve_layout"]
+
+_HOME = {"PipelineOptions": "options", "PipelineExecutor": "strategy", "Probe": "strategy",
+         "prepare": "strategy", "resolve_layout": "strategy", "check_fits": "plan"}
+
+
+def __getattr__(name):
+    if name in _HOME:
+        return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,37 +16,28 @@ from hpctrain.models.chain import split_model
 from hpctrain.models.layers import LayerStack, check_input, run_layer, split_input
 from hpctrain.parallel.pipeline import plan, schedule as sched
 from hpctrain.parallel.pipeline.engine import Engine
+from hpctrain.parallel.pipeline.options import PipelineOptions
 from hpctrain.parallel.pipeline import p2p_plan
 from hpctrain.parallel.pipeline.p2p import P2P_MODES, StageLinks, ordered_mode
 from hpctrain.parallel.placement import Copies, place, placement_of
 from hpctrain.parallel.sharding.engine import broadcast_state
 
-__all__ = ["PipelineOptions", "PipelineExecutor", "prepare", "resolve_layout"]
+__all__ = ["PipelineOptions", "PipelineExecutor", "Probe", "prepare", "resolve_layout"]
 
 
-@dataclass
-class PipelineOptions:
-    """Typed options of the pipeline strategy (from the [pipeline] config table)."""
+@dataclass(frozen=True)
+class Probe:
+    """What the run hands the pipeline beside its options (the orchestrator builds it from
+    the data set): ``sample``, one micro-batch input to time the layers on (balance =
+    "measured") or to check a user module's split on; its ``target`` and the ``loss_fn``
+    ("measured" times the last layer with the loss, as the last stage runs it); and
+    ``unit_count``, target -> the units its loss is a mean over (train.loss_weight): a piece
+    of a micro-batch counts by its share of them (None: by its rows)."""
 
-    mesh: object = ""               # a MeshLayout (the plan's); '' -> pp = world size
-    schedule: str = "1f1b"
-    microbatches: int = 4
-    virtual_stages: int = 2         # chunks per rank, interleaved-1f1b only
-    balance: str = "param-count"    # or "measured"
-    split_points: str = ""
-    activation_checkpointing: bool = False
-    dp_sharding: str = "ddp"        # the dp flavour over the stages' replicas (ParallelPlan)
-    p2p: str = "auto"               # issue order: eager (CPU), ordered (NCCL); auto by device
-    sample: object = None           # one micro-batch input, for balance="measured"
-    sample_target: object = None    # its target and the loss: "measured" times the loss
-    loss_fn: object = None          # with the last layer, as the last stage runs it
-    # target -> the units its loss is a mean over (train.loss_weight): a piece of a
-    # micro-batch counts by its share of them (None: by its rows)
+    sample: object = None
+    target: object = None
+    loss_fn: object = None
     unit_count: object = None
-
-    @property
-    def chunks(self) -> int:
-        return self.virtual_stages if self.schedule == "interleaved-1f1b" else 1
 
 
 def resolve_layout(mesh, world_size: int):
@@ -70,11 +61,12 @@ class PipelineExecutor:
     model (every rank describes every tensor; the stage holding one writes it)."""
 
     def __init__(self, stack, root: nn.Module, owned: list[int], engine: Engine, actions,
-                 pp, dp, tied_comm, tied_local: list, opts: PipelineOptions, flavour: str):
+                 pp, dp, tied_comm, tied_local: list, opts: PipelineOptions, flavour: str,
+                 unit_count=None):
         self.stack, self.root, self.owned, self.engine = stack, root, owned, engine
         self.actions = actions
         self.pp, self.dp, self.tied_comm, self.tied_local = pp, dp, tied_comm, tied_local
-        self.opts, self.flavour = opts, flavour
+        self.opts, self.flavour, self.unit_count = opts, flavour, unit_count
         self.is_last = engine.rank == engine.p - 1
         self._skeleton = None
         self._piece = 0  # samples per schedule piece in training (0: none trained yet)
@@ -195,7 +187,7 @@ class PipelineExecutor:
 
     def _shares(self, pieces, whole) -> list:
         """Each piece's share of its micro-batch's loss units (rows, or valid tokens)."""
-        count = self.opts.unit_count
+        count = self.unit_count
         if count is None:
             n = rows(whole)
             return [rows(p) / n for p in pieces]
@@ -372,7 +364,7 @@ def _allgather_json(comm, obj) -> list:
     return [json.loads(bytes(out[r, :sizes[r]].tolist()).decode()) for r in range(comm.size)]
 
 
-def _layer_costs(stack, opts: PipelineOptions, pp, dp):
+def _layer_costs(stack, balance: str, probe: Probe, pp, dp):
     """Per-layer cost: parameter count, or forward+backward seconds measured on each pipeline
     rank (one list per rank: the split gives a slower rank fewer layers). All ranks measure
     at once, as they compute in the steady state (one rank timing while the others wait in a
@@ -380,12 +372,12 @@ def _layer_costs(stack, opts: PipelineOptions, pp, dp):
     so every rank computes the same split. Given a sample target and the loss, the last layer
     is timed with the loss on its output, since the last stage computes it: a costly loss
     (a large vocabulary's cross-entropy) then leaves that stage fewer layers."""
-    if opts.balance == "param-count":
+    if balance == "param-count":
         return [float(c) for c in stack.param_counts()]
-    if opts.sample is None:
+    if probe.sample is None:
         raise ValueError("pipeline.balance = 'measured' needs a sample micro-batch")
     costs = torch.zeros(1, len(stack), dtype=torch.float64, device=pp.device)
-    x, target, loss_fn = opts.sample, opts.sample_target, opts.loss_fn
+    x, target, loss_fn = probe.sample, probe.target, probe.loss_fn
     x, side = split_input(stack.inputs, x)
     with_loss = loss_fn is not None and target is not None
     for i, layer in enumerate(stack.layers):
@@ -486,14 +478,17 @@ def _tie_stages(stack: LayerStack, root: nn.Module, pp):
     return sub, tied_local
 
 
-def prepare(stack, world, options: PipelineOptions | None = None, flavour: str = "ddp"):
+def prepare(stack, world, options: PipelineOptions | None = None, flavour: str = "ddp",
+            probe: Probe | None = None):
     """Build this rank's stage(s) of ``stack`` (a LayerStack, or an nn.Sequential split one
     layer per child) and the schedule; return (stage root module, executor). Collective.
-    ``flavour`` is the dp flavour the orchestrator applies next (for the log line)."""
+    ``flavour`` is the dp flavour the orchestrator applies next (for the log line);
+    ``probe`` what the run's data gives (Probe)."""
     opts = options or PipelineOptions()
+    probe = probe or Probe()
     if opts.p2p not in P2P_MODES:  # pure: before any collective
         raise ValueError(f"pipeline.p2p = {opts.p2p!r}: expected one of {', '.join(P2P_MODES)}")
-    stack = _as_stack(stack, opts.sample)
+    stack = _as_stack(stack, probe.sample)
     layout = resolve_layout(opts.mesh, world.size)
     p, v = layout.pp, opts.chunks
     plan.check_fits(len(stack), p, v, opts.schedule)       # pure: before any collective
@@ -509,7 +504,7 @@ def prepare(stack, world, options: PipelineOptions | None = None, flavour: str =
     mesh = world.mesh(layout)
     pp, dp = mesh.comm("pp"), mesh.comm("dp")
     if starts is None:
-        starts = plan.balanced_split(_layer_costs(stack, opts, pp, dp), p * v)
+        starts = plan.balanced_split(_layer_costs(stack, opts.balance, probe, pp, dp), p * v)
     groups = plan.stage_layers(starts, len(stack))
     my_stages = [sched.stage_of(pp.rank, c, p) for c in range(v)]
     owned = [i for g in my_stages for i in groups[g]]
@@ -522,7 +517,7 @@ def prepare(stack, world, options: PipelineOptions | None = None, flavour: str =
     engine = Engine(root, chunks, links, pp.rank, p, opts.activation_checkpointing,
                     stack.inputs)
     executor = PipelineExecutor(stack, root, owned, engine, actions_all[pp.rank], pp, dp,
-                                tied_comm, tied_local, opts, flavour)
+                                tied_comm, tied_local, opts, flavour, probe.unit_count)
     if world.is_main:
         split = " | ".join(f"{g}:{names[grp[0]]}..{names[grp[-1]]}" for g, grp in enumerate(groups))
         print(f"hpctrain: pipeline pp={p} dp={dp.size} schedule={opts.schedule} "

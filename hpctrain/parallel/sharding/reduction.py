@@ -22,12 +22,11 @@ from collections import deque
 
 import torch
 
-from hpctrain.errors import UsageError
 from hpctrain.parallel.flat_buffer import FlatUnit
+from hpctrain.parallel.unit_policy import DEFAULT_BUCKET_BYTES
 from hpctrain.runtime.comm.idle import wait_idle
 
-__all__ = ["InFlight", "reduce_scatter_grads", "reduction_buffer_bytes", "check_bucket_size",
-           "DEFAULT_BUCKET_BYTES"]
+__all__ = ["InFlight", "reduce_scatter_grads", "reduction_buffer_bytes", "DEFAULT_BUCKET_BYTES"]
 
 # Gradient bytes packed for one reduce-scatter (all ranks' pieces together): bounds the
 # transient next to a unit's gradients; bigger pieces only save a few collective calls...
@@ -41,17 +40,8 @@ _MIN_RANK_PIECE_BYTES = 1 << 18
 # kept for reuse, stay within it too; a backend may stage up to as much again to receive,
 # as the MPI backend's pairwise exchange does); more in flight only lets a reduction lag
 # further behind backward.
-_INFLIGHT_BYTES = 1 << 24
-#: The default reduce bucket (``reduce_bucket_size`` of [zero] / [fsdp], bytes).
-DEFAULT_BUCKET_BYTES = _INFLIGHT_BYTES
-
-
-def check_bucket_size(owner: str, table: str, key: str, value) -> None:
-    """Raise UsageError (a ValueError) unless ``value`` (field ``key`` of options class
-    ``owner``, config table ``table``) is a whole number of bytes >= 1."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UsageError(f"{owner}.{key} = {value!r}: expected a whole number of bytes >= 1, "
-                         f"e.g. {DEFAULT_BUCKET_BYTES} (16 MiB; --set {table}.{key}=N)")
+# The default: the reduce bucket's (``reduce_bucket_size`` of [zero] / [fsdp], bytes).
+_INFLIGHT_BYTES = DEFAULT_BUCKET_BYTES
 
 
 def reduction_buffer_bytes(bucket: int, n: int) -> int:

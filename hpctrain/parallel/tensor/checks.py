@@ -3,7 +3,7 @@ communication, so every rank raises the same one-line ValueError before MPI work
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -12,9 +12,10 @@ from hpctrain.models.dropout import Dropout
 from hpctrain.models.layers import LayerStack
 from hpctrain.parallel.tensor import hf_plan
 from hpctrain.parallel.tensor.layers import is_conv1d
+from hpctrain.parallel.tensor.options import TensorOptions
 from hpctrain.parallel.tensor.loss import is_cross_entropy
 from hpctrain.parallel.tensor.styles import STYLES, match_plan, parse_plan
-from hpctrain.parallel.registry import SHARDED_FLAVOURS
+from hpctrain.registry import SHARDED_FLAVOURS
 
 __all__ = ["TensorOptions", "Split", "check", "check_sharding", "cuts", "model_plan",
            "vocab_rows"]
@@ -24,14 +25,6 @@ _NEEDS = {"vocab_head": nn.Linear, "vocab_embedding": nn.Embedding,
 _NEED_NAMES = {nn.Linear: "torch.nn.Linear", nn.Embedding: "torch.nn.Embedding",
                Dropout: "hpctrain.models.dropout.Dropout"}
 _LINEAR = ("colwise", "rowwise")  # an nn.Linear or a Hugging Face Conv1D
-
-
-@dataclass(frozen=True)
-class TensorOptions:
-    """[tensor]: sequence parallel on/off and a plan overriding the model's own."""
-
-    sequence_parallel: bool = False
-    plan: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,24 @@
 """The one registry of parallelisms: each mesh dimension and each data-parallel flavour,
 declared once.
 
-Pure (no torch, no MPI): the config checks it before MPI starts. Everything that names a
-strategy derives from these two tables: the config's choices and the tables a plan reads
-(config.py), the plan's composition rules and names (plan.py), the orchestrator's transform
-order and flavour modules, the CLI's choices, ``wrap()``'s shorthand names, the sharded
-flavours' optimizer rule (train/strategy.py) and the bench workloads. Adding a parallelism is
-one entry here, the transform's own package, and its tests (README: "Adding a parallelism").
+Pure (imports nothing from hpctrain, no torch, no MPI), so every layer may read it, the
+runtime's mesh included, and the config checks it before MPI starts. Everything that names
+a strategy or a mesh key derives from these tables: the mesh's keys and rank order
+(runtime/mesh.py), the config's strategy tables and choices (config.py), the plan's degrees,
+composition rules and names (parallel/plan.py), the orchestrator's transform order and
+flavour modules, the CLI's choices, ``wrap()``'s shorthand names, the sharded flavours'
+optimizer rule (train/strategy.py) and the bench workloads. Adding a parallelism is one
+entry here, the transform's own package, and its tests (README: "Adding a parallelism").
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 __all__ = ["Flavour", "Dimension", "OPTIONS", "FLAVOURS", "FLAVOUR_NAMES", "DIMENSIONS", "STRATEGIES",
-           "STRATEGY_TABLE", "TABLES", "SHARDED_FLAVOURS", "flavour", "dimension",
+           "STRATEGY_TABLE", "TABLES", "SHARDED_FLAVOURS", "DP_KEY", "MESH_KEYS", "GRID_KEYS",
+           "options_class", "flavour", "dimension",
            "by_transform_order", "ddp_by_engine", "tables_read", "strategies_reading",
            "default_mesh", "composition_error"]
 
@@ -37,15 +41,23 @@ class Flavour:
 class Dimension:
     """A model-parallel mesh dimension and the transform that splits the model over it."""
 
-    key: str  # the mesh key (``--mesh tp=2``); runtime/mesh.py's DIMS orders the ranks
+    key: str  # the mesh key (``--mesh tp=2``)
     strategy: str  # the transform's name: its shorthand strategy and plan-name part
-    table: str  # its config table
+    table: str  # its config table (OPTIONS names the options class that is the table)
     order: int  # transforms apply in ascending order (tensor, domain, then pipeline)
     composes_with: tuple  # the other dimensions it shares a mesh with (dp: always)
     noun: str  # how messages call it
     # The ddp flavour under it is the sharding engine's all-reduce (NO_SHARD): Horovod
     # reduces over the whole job, not over one stage's or one tp slice's replicas.
     ddp_by_engine: bool
+    # Its place in the ranks' row-major order (MESH_KEYS): the higher, the faster its
+    # coordinate varies, so the closer its partners sit (same node first).
+    place: int
+    grid: bool = False  # its degree is a grid shape (``dom=2x2``), not one integer
+    # "module:function": ``function(model, world, mesh, options) -> (model, executor)``,
+    # applied by the orchestrator in ``order`` (tensor, domain and pipeline, whose
+    # interplay needs it, have their own steps there).
+    transform: str = ""
 
 
 FLAVOURS = (
@@ -57,25 +69,35 @@ FLAVOURS = (
 )
 
 # Declared in the order plan names join them (``pipeline+tensor``); ``order`` is the
-# orchestrator's.
+# orchestrator's, ``place`` the ranks'.
 DIMENSIONS = (
     Dimension("pp", "pipeline", "pipeline", order=3, composes_with=("tp",),
-              noun="pipeline stages", ddp_by_engine=True),
+              noun="pipeline stages", ddp_by_engine=True, place=0),
     Dimension("dom", "domain", "domain", order=2, composes_with=(),
-              noun="a domain split", ddp_by_engine=False),
+              noun="a domain split", ddp_by_engine=False, place=20, grid=True),
     Dimension("tp", "tensor", "tensor", order=1, composes_with=("pp",),
-              noun="tensor parallel", ddp_by_engine=True),
+              noun="tensor parallel", ddp_by_engine=True, place=30),
 )
 
-#: Each options table's typed options class ("module:Class"): the config section of the
-#: same name fills it field by field (train/strategy.py plan_options).
+#: The dp replicas' mesh key (every plan has it; its flavour keeps them in step) and its
+#: place: after pp, so pipeline stages span nodes, where point-to-point traffic is lightest.
+DP_KEY, DP_PLACE = "dp", 10
+#: The mesh keys in rank order (row-major, the last varying fastest: pp, dp, dom, tp).
+MESH_KEYS = tuple(k for _, k in sorted([(DP_PLACE, DP_KEY)] + [(d.place, d.key)
+                                                                for d in DIMENSIONS]))
+#: The keys whose degree is a grid shape.
+GRID_KEYS = tuple(d.key for d in DIMENSIONS if d.grid)
+
+#: Each options table's typed options class ("module:Class", in a module that imports no
+#: torch): the class IS the config table (config.py builds [table] from it, its fields'
+#: metadata the help, choices and bounds), in the order the tables are listed.
 OPTIONS = {
-    "ddp": "hpctrain.parallel.ddp:DDPOptions",
-    "zero": "hpctrain.parallel.zero:ZeroOptions",
-    "fsdp": "hpctrain.parallel.fsdp:FSDPOptions",
-    "pipeline": "hpctrain.parallel.pipeline:PipelineOptions",
-    "domain": "hpctrain.parallel.domain.strategy:DomainOptions",
-    "tensor": "hpctrain.parallel.tensor:TensorOptions",
+    "ddp": "hpctrain.parallel.ddp_options:DDPOptions",
+    "zero": "hpctrain.parallel.zero_options:ZeroOptions",
+    "pipeline": "hpctrain.parallel.pipeline.options:PipelineOptions",
+    "domain": "hpctrain.parallel.domain.options:DomainOptions",
+    "tensor": "hpctrain.parallel.tensor.options:TensorOptions",
+    "fsdp": "hpctrain.parallel.fsdp_options:FSDPOptions",
 }
 
 FLAVOUR_NAMES = tuple(f.name for f in FLAVOURS)
@@ -89,6 +111,12 @@ TABLES = tuple(dict.fromkeys(STRATEGY_TABLE.values()))
 
 _FLAVOUR = {f.name: f for f in FLAVOURS}
 _DIMENSION = {d.strategy: d for d in DIMENSIONS}
+
+
+def options_class(table: str) -> type:
+    """The options class of ``table`` (imported: its module is pure)."""
+    module, _, name = OPTIONS[table].partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def flavour(name: str) -> Flavour:
