@@ -9,11 +9,14 @@ the tree differs from its list of the layers written out):
               so it sits above train (train/strategy.py maps the config onto the options),
               not below the models; only the entry layer imports it
   train       train/
-  config      config.py: reads the registry and ParallelPlan from parallel/; train reads it
+  config      config.py: reads the options tables and ParallelPlan from parallel/; train
+              reads it
   parallel    parallel/
   components  checkpoint/, data/, models/ (peers)
   runtime     runtime/
-  base        errors.py, units.py, version.py, jobscripts/ (pure: import nothing of ours)
+  base        errors.py, units.py, version.py, jobscripts/, registry.py (the parallelisms,
+              declared once), option.py (the options tables' field helper): pure, they
+              import nothing of ours
 
 Every import counts, function-local ones included (an import inside a function that dodges
 the layering is still an upward import). A module may import its own layer and any below.
@@ -36,7 +39,7 @@ LAYERS = (
     ("parallel", ("parallel",)),
     ("components", ("checkpoint", "data", "models")),
     ("runtime", ("runtime",)),
-    ("base", ("errors", "units", "version", "jobscripts")),
+    ("base", ("errors", "units", "version", "jobscripts", "registry", "option")),
 )
 RANK = {top: (i, name) for i, (name, tops) in enumerate(LAYERS) for top in tops}
 
