@@ -4,8 +4,9 @@
     python -m tests.checkpoint.elem_worker read PATH
     python -m tests.checkpoint.elem_worker batch OPS.json
 Prints "rank R: OK" per rank, or "rank R: <error>" and exits 3. ``batch`` runs many
-operations in this one process, each [mode, path, block_bytes, env] (env set for it only),
-and prints "rank R: OK N" after the N-th; it stops at the first error, as one op would.
+operations in this one process, each [mode, path, block_bytes, env, gap?] (env set for it
+only; gap as --gap), and prints "rank R: OK N" after the N-th; it stops at the first error,
+as one op would.
 """
 
 from __future__ import annotations
@@ -147,9 +148,9 @@ def run(mode: str, path: str, block_bytes: int, gap: bool, comm) -> None:
 def batch(ops_path: str, comm) -> None:
     with open(ops_path) as f:
         ops = json.load(f)
-    for i, (mode, path, block_bytes, env) in enumerate(ops):
+    for i, (mode, path, block_bytes, env, *gap) in enumerate(ops):
         with patched_env(env):
-            run(mode, path, block_bytes, False, comm)
+            run(mode, path, block_bytes, bool(gap and gap[0]), comm)
         comm.Barrier()
         # One write per line: print() writes the text and the newline apart, and mpirun
         # may interleave another rank's line between them.

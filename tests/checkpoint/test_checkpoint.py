@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tests.checkpoint.forge import FORGERIES
-from tests.mpirun import run_mpi, run_single
+from tests.mpirun import run_mpi, run_single, together
 from tests.parallel.train_cases import pool, pooled_results
 
 pytestmark = pytest.mark.mpi
@@ -354,15 +354,22 @@ def test_h5ls_inspect_export_keep(resumed, tmp_path):
     ls = subprocess.run(["h5ls", "-r", str(d / "ckpt-000006.h5")], capture_output=True,
                         text=True, check=True).stdout
     assert "/model/stem.weight" in ls and "{83, 37}" in ls and "/optim/stem.weight/exp_avg" in ls
-    out = run_single(["-m", "hpctrain", "ckpt", "inspect", str(d / "ckpt-000006.h5")]).stdout
-    assert "step 6" in out and "world size 2" in out and "checksums: all ok" in out
+    # inspect, export, and inspect of a damaged copy: independent processes, side by side
+    # (one alone leaves a core of two idle).
+    damaged = tmp_path / "damaged" / "ckpt-000006.h5"
+    damaged.parent.mkdir()
+    shutil.copyfile(d / "ckpt-000006.h5", damaged)
+    with h5py.File(damaged, "r+") as f:
+        f["optim/head.bias/exp_avg"][0] += 1.0
     exp = tmp_path / "model.h5"
-    run_single(["-m", "hpctrain", "ckpt", "export", str(d / "ckpt-000006.h5"), str(exp)])
+    ckpt = ["-m", "hpctrain", "ckpt"]
+    out, _, proc = together(
+        lambda: run_single(ckpt + ["inspect", str(d / "ckpt-000006.h5")]).stdout,
+        lambda: run_single(ckpt + ["export", str(d / "ckpt-000006.h5"), str(exp)]),
+        lambda: run_single(ckpt + ["inspect", str(damaged)], check=False))
+    assert "step 6" in out and "world size 2" in out and "checksums: all ok" in out
     with h5py.File(exp) as f:
         assert "optim" not in f and f["model/stem.weight"].shape == (83, 37)
-    with h5py.File(d / "ckpt-000006.h5", "r+") as f:
-        f["optim/head.bias/exp_avg"][0] += 1.0
-    proc = run_single(["-m", "hpctrain", "ckpt", "inspect", str(d / "ckpt-000006.h5")], check=False)
     assert proc.returncode == 1 and "optim/head.bias/exp_avg" in proc.stderr
 
 

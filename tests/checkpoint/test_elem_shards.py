@@ -2,9 +2,11 @@
 
 The round trips run many writes and reads per process (elem_worker's batch mode): one
 mpirun per world size and pass, a file written at N ranks read in a later launch at M.
-The corrupt file (a round trip's, a byte flipped) is read and the gapped one written, their
-error line on every rank being the point, in launches of their own."""
+The gapped file is written last in the 2-rank launch (the batch stops at its error, as its
+own launch would); the corrupt file (a round trip's, a byte flipped) is read in a launch of
+its own. Their error line on every rank is the point."""
 
+import itertools
 import json
 import os
 import random
@@ -18,7 +20,7 @@ import pytest
 
 from hpctrain.checkpoint.checksum import crc32_combine, merge_pieces, piece_crcs, verify_flat
 from hpctrain.checkpoint.hyperslab import box_flat_boxes, box_runs, flat_boxes
-from tests.mpirun import run_mpi
+from tests.mpirun import run_mpi, together
 
 WORKER = ["-W", "ignore::RuntimeWarning", "-m", "tests.checkpoint.elem_worker"]
 
@@ -108,35 +110,50 @@ def _round_trips():
 
 @pytest.fixture(scope="module")
 def round_trips(tmp_path_factory):
-    """Write every file, check its layout, read it back: {name: (path, write ok, read ok)}.
+    """Write every file, check its layout, read it back: {name: (path, write ok, read ok)},
+    and "gap": (path, the 2-rank launch that wrote it last and failed).
 
-    Launches go by world size, writes first; a read waits for its file's write."""
+    Launches go by world size, writes first; a read waits for its file's write. The one
+    process runs beside the 2-rank launch (alone it leaves a core of two idle); neither reads
+    what the other writes."""
     tmp = tmp_path_factory.mktemp("elem")
     trips = _round_trips()
-    ops = []  # (world, name, [mode, path, block, env])
+    ops = []  # (world, name, [mode, path, block, env, gap])
     for name, n, m, block, env in trips:
         path = str(tmp / name / "ck.h5")
         os.makedirs(os.path.dirname(path))
         ops.append((n, f"{name}-write", ["write", path, block, env]))
         ops.append((m, f"{name}-read", ["read", path, 0, {}]))
-    done, results, launch = set(), {}, 0
+    gap = tmp / "gap" / "ck.h5"  # the last op: its launch stops there
+    gap.parent.mkdir()
+    ops.append((2, "gap-write", ["write", str(gap), 0, {}, True]))
+    done, results, launches, gapped = set(), {}, itertools.count(1), []
+
+    def launch(world, batch):
+        ops_path = tmp / f"ops-{next(launches)}.json"
+        ops_path.write_text(json.dumps([op[2] for op in batch]))
+        fails = batch[-1][1] == "gap-write"
+        proc = _mpi(world, "batch", ops_path, check=not fails)
+        if fails:
+            gapped.append(proc)
+        oks = set(re.findall(r"rank (\d+): OK (\d+)", proc.stdout))
+        _ok(proc, world)
+        return {name: all((str(r), str(i)) in oks for r in range(world))
+                for i, (_, name, _) in enumerate(batch)}
+
     while len(done) < len(ops):
-        for world in (4, 3, 2, 1):
-            batch = [op for op in ops if op[0] == world and op[1] not in done
-                     and (op[1].endswith("-write") or op[1].replace("-read", "-write") in done)]
-            if not batch:
-                continue
-            launch += 1
-            ops_path = tmp / f"ops-{launch}.json"
-            ops_path.write_text(json.dumps([op[2] for op in batch]))
-            proc = _mpi(world, "batch", ops_path)
-            oks = set(re.findall(r"rank (\d+): OK (\d+)", proc.stdout))
-            for i, (_, name, _) in enumerate(batch):
-                results[name] = all((str(r), str(i)) in oks for r in range(world))
-                done.add(name)
-            _ok(proc, world)
-    return {name: (tmp / name / "ck.h5", results[f"{name}-write"], results[f"{name}-read"])
-            for name, *_ in trips}
+        for worlds in ((4,), (3,), (2, 1)):
+            batches = [(world, [op for op in ops if op[0] == world and op[1] not in done
+                                and (op[1].endswith("-write")
+                                     or op[1].replace("-read", "-write") in done)])
+                       for world in worlds]
+            calls = [lambda w=w, b=b: launch(w, b) for w, b in batches if b]
+            for got in together(*calls) if calls else ():
+                results.update(got)
+                done.update(got)
+    return {"gap": (gap, *gapped),
+            **{name: (tmp / name / "ck.h5", results[f"{name}-write"], results[f"{name}-read"])
+               for name, *_ in trips}}
 
 
 @pytest.mark.mpi
@@ -182,9 +199,9 @@ def test_flipped_byte_named_on_every_rank(round_trips, tmp_path):
 
 
 @pytest.mark.mpi
-def test_ranges_not_covering_rejected_on_every_rank(tmp_path):
-    proc = _mpi(2, "write", tmp_path / "ck.h5", "--gap", check=False)
+def test_ranges_not_covering_rejected_on_every_rank(round_trips):
+    path, proc = round_trips["gap"]  # written last in a 2-rank launch, which it ended
     assert proc.returncode != 0
     for r in range(2):
         assert f"rank {r}: flat/m13x7:" in proc.stdout, proc.stdout + proc.stderr
-    assert not (tmp_path / "ck.h5").exists()
+    assert not path.exists()

@@ -15,10 +15,46 @@ from tests.mpirun import run_mpi, run_single
 WORKER = ["-W", "ignore::RuntimeWarning", "-m", "tests.checkpoint.fault_worker"]
 
 
+@contextlib.contextmanager
+def _tmpfs(path, size):
+    """Mount a tmpfs of size at path; yield path, or None where it cannot be mounted."""
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                             capture_output=True)
+    if mounted.returncode != 0:
+        yield None
+        return
+    try:
+        yield path
+    finally:
+        # Lazy: the ranks' launcher may hold it a moment longer; it goes once they let go.
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def _no_tmpfs():
+    pytest.skip("cannot mount a small tmpfs here (needs root)")
+
+
+@pytest.fixture(scope="module")
+def fault_runs(tmp_path_factory):
+    """{n: (dir, proc, small)}: every fault_worker case at n = 2 and 4 ranks. The 2-rank
+    launch also fills a real small file system (SMALL_FS: a 300k tmpfs, small None where
+    none can be mounted) in its real_full_disk case, which is a no-op without one."""
+    runs = {}
+    for n in (2, 4):
+        tmp = tmp_path_factory.mktemp(f"faults{n}")
+        with _tmpfs(tmp_path_factory.mktemp("small") / "fs", "300k") if n == 2 else \
+                contextlib.nullcontext() as small:
+            env = {"SMALL_FS": str(small)} if small else None
+            proc = run_mpi(n, WORKER + [str(tmp)], check=False, timeout=300, env=env)
+        runs[n] = (tmp, proc, small)
+    return runs
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("n", [2, 4])
-def test_fault_cases(tmp_path, n):
-    proc = run_mpi(n, WORKER + [str(tmp_path)], check=False, timeout=300)
+def test_fault_cases(fault_runs, n):
+    tmp_path, proc, _ = fault_runs[n]
     out = proc.stdout + proc.stderr
     names = re.search(r"^cases: (.*)$", proc.stdout, re.M).group(1).split(",")
     assert len(names) >= 12, names
@@ -32,25 +68,11 @@ def test_fault_cases(tmp_path, n):
     assert "metadata checksum mismatch" in proc.stderr
 
 
-@contextlib.contextmanager
-def _tmpfs(path, size):
-    path.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                             capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip("cannot mount a small tmpfs here (needs root)")
-    try:
-        yield path
-    finally:
-        # Lazy: the ranks' launcher may hold it a moment longer; it goes once they let go.
-        subprocess.run(["umount", "-l", str(path)], check=True)
-
-
 @pytest.mark.mpi
-def test_real_full_disk(tmp_path):
-    with _tmpfs(tmp_path / "small", "300k") as small:
-        proc = run_mpi(2, WORKER + [str(tmp_path), "real_full_disk"], check=False, timeout=120,
-                       env={"SMALL_FS": str(small)})
+def test_real_full_disk(fault_runs):
+    _, proc, small = fault_runs[2]  # its real_full_disk case ran on the small tmpfs
+    if small is None:
+        _no_tmpfs()
     out = proc.stdout + proc.stderr
     assert "rank 0: real_full_disk ok" in out and "rank 1: real_full_disk ok" in out, out
     assert proc.returncode == 0, out  # no crash at exit after the failed saves
@@ -61,6 +83,8 @@ def test_disk_filling_during_a_save_exits_1_with_one_line(tmp_path):
     (another writer takes the rest once the first dataset is written). Exit 1, the one line
     last, the partial file gone; it used to segfault at exit (139) after the line."""
     with _tmpfs(tmp_path / "ck", "2m") as ck:
+        if ck is None:
+            _no_tmpfs()
         proc = run_single(["-m", "hpctrain", "train", "--steps", "1", "--checkpoint-every",
                            "1", "--checkpoint-dir", str(ck), "--out-dir", str(tmp_path / "out"),
                            "--progress", "off"], check=False, timeout=60,

@@ -21,7 +21,7 @@ from hpctrain.checkpoint.state import write_entries
 from hpctrain.checkpoint.tools import export, inspect
 from hpctrain.models.registry import build
 from tests.checkpoint.forge import FORGERIES, forge
-from tests.mpirun import mpi_env, run_single
+from tests.mpirun import mpi_env, run_single, together
 
 pytestmark = pytest.mark.mpi
 
@@ -64,8 +64,9 @@ def test_export_errors_are_one_line_and_leave_nothing(gpt_ckpt, tmp_path):
              (("export", garbage, tmp_path / "m.h5"), "cannot open checkpoint"),
              (("export", gpt_ckpt, tmp_path / "nodir" / "m.h5"), "does not exist"),
              (("inspect", garbage), "cannot open checkpoint")]
-    for args, words in cases:
-        proc = _ckpt(*args)
+    # Independent processes, side by side (one alone leaves a core of two idle).
+    procs = together(*(lambda args=args: _ckpt(*args) for args, _ in cases))
+    for (args, words), proc in zip(cases, procs):
         assert proc.returncode == 1, (args, proc.stderr)
         assert proc.stderr.startswith("hpctrain: error: ") and words in proc.stderr, proc.stderr
         assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr

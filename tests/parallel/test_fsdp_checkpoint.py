@@ -1,16 +1,18 @@
 """An fsdp checkpoint (element-range shards, one writer per replica group) resumes under zero3,
 single and ddp at other world sizes, and theirs resume under fsdp, on the same trajectory.
 
-The command lines run many per process (tests/parallel/train_worker.py runs each through
-hpctrain's CLI code in-process); a checkpoint written at one world size is resumed in a later
-launch at another. Every mpirun launch pretends 2 ranks per node (HYBRID_SHARD at 4 ranks: 2 nodes),
-as --ranks-per-node 2 does for the fsdp command lines; the worker refuses a command line whose
-ranks per node differ from its process's."""
+The command lines run in the session's pool (tests/parallel/train_cases.py: one launch per
+world size shared with the other pooled modules, each command line through hpctrain's CLI
+code in-process); a checkpoint written at one world size is resumed in a later launch at
+another. The 4-rank launches pretend 2 ranks per node (HYBRID_SHARD at 4 ranks: 2 nodes), as
+--ranks-per-node 2 does for the fsdp command lines (the worker refuses a command line whose
+ranks per node differ from its process's); at 2 ranks one node holds 2 ranks anyway.
+The reference is test_zero_checkpoint's command line: the pool runs it once for both."""
 
 import numpy as np
 import pytest
 
-from tests.parallel.train_cases import run_steps
+from tests.parallel.train_cases import pool, pooled_results
 
 pytestmark = pytest.mark.mpi
 
@@ -32,20 +34,29 @@ CASES = {
 
 
 def _step(cid, world, flags, steps, extra, after=()):
-    return {"id": cid, "world": world, "after": list(after),
+    launch_env = {"HPCTRAIN_RANKS_PER_NODE": "2"} if world == 4 else {}
+    return {"id": cid, "world": world, "after": list(after), "launch_env": launch_env,
             "argv": BASE + ["--steps", str(steps), *flags, *extra]}
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("fsdp_ckpt")
-    steps = [_step("ref", None, [], 16, [])]
+def _steps(tmp):
+    """The single-process reference; per case the run that checkpoints at step 8 and the one
+    that resumes it to step 16 (a checkpoint directory per case)."""
+    steps = [_step("ref", None, ["--strategy", "single"], 16, [])]
     for name, (save, resume) in CASES.items():
         ck = ["--checkpoint-dir", str(tmp / name / "ck")]
         steps.append(_step(f"{name}-first", *save, 8, ck))
         steps.append(_step(f"{name}-second", *resume, 16, ck + ["--resume", "auto"],
                            after=[f"{name}-first"]))
-    return run_steps(tmp, steps, order=[None, 4, 2], mpi_env={"HPCTRAIN_RANKS_PER_NODE": "2"})
+    return steps
+
+
+pool(__name__, _steps)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return pooled_results(__name__, tmp_path_factory)
 
 
 @pytest.mark.parametrize("name", CASES)

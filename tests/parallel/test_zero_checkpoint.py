@@ -1,14 +1,15 @@
 """A ZeRO checkpoint (flat shards written as element ranges of the global tensors) resumes
 under another stage, another world size, and single-process training, on the same trajectory.
 
-The command lines run many per process (tests/parallel/train_worker.py runs each through
-hpctrain's CLI code in-process); a checkpoint written at one world size is resumed in a later
-launch at another."""
+The command lines run in the session's pool (tests/parallel/train_cases.py: one launch per
+world size shared with the other pooled modules, each command line through hpctrain's CLI
+code in-process); a checkpoint written at one world size is resumed in a later launch at
+another."""
 
 import numpy as np
 import pytest
 
-from tests.parallel.train_cases import run_steps
+from tests.parallel.train_cases import pool, pooled_results
 
 pytestmark = pytest.mark.mpi
 
@@ -28,16 +29,24 @@ def _step(cid, world, strategy, steps, extra, after=()):
             "argv": BASE + ["--steps", str(steps), "--strategy", strategy, *extra]}
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("zero_ckpt")
+def _steps(tmp):
+    """The single-process reference; per case the run that checkpoints at step 8 and the one
+    that resumes it to step 16 (a checkpoint directory per case)."""
     steps = [_step("ref", None, "single", 16, [])]
     for name, (save, resume) in CASES.items():
         ck = ["--checkpoint-dir", str(tmp / name / "ck")]
         steps.append(_step(f"{name}-first", *save, 8, ck))
         steps.append(_step(f"{name}-second", *resume, 16, ck + ["--resume", "auto"],
                            after=[f"{name}-first"]))
-    return run_steps(tmp, steps, order=[None, 4, 2])
+    return steps
+
+
+pool(__name__, _steps)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return pooled_results(__name__, tmp_path_factory)
 
 
 @pytest.mark.parametrize("name", CASES)
