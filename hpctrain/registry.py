@@ -7,7 +7,7 @@ a strategy or a mesh key derives from these tables: the mesh's keys and rank ord
 (runtime/mesh.py), the config's strategy tables and choices (config.py), the plan's degrees,
 composition rules and names (parallel/plan.py), the orchestrator's transform order and
 flavour modules, the CLI's choices, ``wrap()``'s shorthand names, the sharded flavours'
-optimizer rule (train/strategy.py) and the bench workloads. Adding a parallelism is one
+optimizer rule (train/optimizers.py) and the bench workloads. Adding a parallelism is one
 entry here, the transform's own package, and its tests (README: "Adding a parallelism").
 """
 

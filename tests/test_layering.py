@@ -6,7 +6,7 @@ the tree differs from its list of the layers written out):
   entry       the package's API (hpctrain/__init__.py), __main__, cli, cli_train, doctor,
               jobgen, bench/ (which times the CLI's own path, so bench and cli are peers)
   plan        plan/: estimates plans from the config, the registry and the models' shapes,
-              so it sits above train (train/strategy.py maps the config onto the options),
+              so it sits above train (train/plan_options.py maps the config onto the options),
               not below the models; only the entry layer imports it
   train       train/
   config      config.py: reads the options tables and ParallelPlan from parallel/; train

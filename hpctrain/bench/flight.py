@@ -2,7 +2,7 @@
 realistic step, one of 50 ms or more).
 
 Run it under the launcher (``mpirun -n 2 python -m hpctrain bench flight``). For each model
-size, one Trainer (the watchdog running, as in training) alternates blocks of steps with the
+size, one TrainingRun (the watchdog running, as in training) alternates blocks of steps with the
 recorder on and off (ABBA order), so a machine shared with other jobs slows both alike; each
 rank takes the median step time per mode and the slowest rank counts.
 
@@ -126,14 +126,14 @@ def _time_steps(world, strategy, model, options, steps, blocks, batch, control):
     recorder stays on in both modes (an A/A run: its ratio is the noise)."""
     from hpctrain.config import Config
     from hpctrain.runtime.flight import RECORDER
-    from hpctrain.train.trainer import Trainer
+    from hpctrain.train.training_run import TrainingRun
 
     cfg = Config()
     cfg.train.strategy, cfg.train.model, cfg.train.out_dir = strategy, model, ""
     cfg.train.model_options = dict(options)
     cfg.train.global_batch_size, cfg.train.steps, cfg.train.progress = batch, 10**6, "off"
     cfg.runtime.device = world.device.type
-    trainer = Trainer(cfg, world)
+    trainer = TrainingRun(cfg, world)
     # a GPU step ends when its kernels have run, not when the host has queued them
     sync = torch.cuda.synchronize if world.device.type == "cuda" else (lambda: None)
     times: dict[bool, list[float]] = {True: [], False: []}

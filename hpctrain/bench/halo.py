@@ -127,13 +127,13 @@ def _print_exchange(r) -> None:
 def _domain_step(world, model, x, y, overlap, dom):
     """One training step of the U-Net split over ``dom`` ranks (a closure; collective): the
     domain plan through the orchestrator, as the trainer builds it."""
-    from hpctrain.parallel.domain.strategy import DomainOptions
-    from hpctrain.parallel.orchestrator import parallelize
+    from hpctrain.parallel.domain.executor import DomainOptions
+    from hpctrain.parallel.orchestrator import apply_plan
     from hpctrain.parallel.plan import build_plan
     from hpctrain.train.precision import Precision
 
     plan = build_plan("domain", f"dom={dom}", world.size)
-    par = parallelize(plan, copy.deepcopy(model), lambda ps: torch.optim.AdamW(ps, lr=1e-4),
+    par = apply_plan(plan, copy.deepcopy(model), lambda ps: torch.optim.AdamW(ps, lr=1e-4),
                       world, {"domain": DomainOptions(overlap=overlap)})
     executor = par.executor
     glob = tuple(x.shape[-2:])

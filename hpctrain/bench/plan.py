@@ -120,15 +120,16 @@ def hf_gpt2_factory():
 
 def _measure(world, c, req, shape, build, batch, loss_fn, checkpointing: bool) -> tuple:
     """(max over ranks of model-state bytes, of peak saved-activation bytes) for one step."""
-    from hpctrain.parallel.orchestrator import parallelize
+    from hpctrain.parallel.orchestrator import apply_plan
     from hpctrain.train.precision import Precision
-    from hpctrain.train.strategy import make_optimizer_factory, plan_options
+    from hpctrain.train.optimizers import make_optimizer_factory
+    from hpctrain.train.plan_options import plan_options
 
     cfg = config_of(c, req, shape.spec, shape.options, checkpointing).validate(world.size)
     plan = cfg.plan(world.size)
     model = build(c.pp > 1)
     with contextlib.redirect_stdout(io.StringIO()):  # the plan's log lines, per case
-        par = parallelize(plan, model, make_optimizer_factory(cfg.train), world,
+        par = apply_plan(plan, model, make_optimizer_factory(cfg.train), world,
                           plan_options(cfg, plan.flavour), checkpointing)
     g = torch.Generator().manual_seed(0)  # every rank the same replica batch: sizes only
     x, y = batch(req.global_batch // c.dp, g)

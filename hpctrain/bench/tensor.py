@@ -4,7 +4,7 @@ bytes the tp group moves per step vs Megatron-LM's formula.
 Run under mpirun (``mpirun -n 2 python -m hpctrain bench tp``); tp = the world size. Three
 copies of the built-in gpt take the same SGD steps on the same random tokens, in turns (the
 order rotates, so drift in the machine's load hits all alike): ours, what ``train`` runs
-(``parallelize`` with ``build_plan("tensor", "tp=N")``: the gpt's tp_plan, then the dp
+(``apply_plan`` with ``build_plan("tensor", "tp=N")``: the gpt's tp_plan, then the dp
 flavour summing what sequence parallel left partial); torch's ``parallelize_module`` over
 gloo (its Llama recipe with ``loss_parallel``; qkv's fused rows reordered first, as its
 contiguous row split would not give each rank whole heads); the unsplit model on rank 0
@@ -144,7 +144,7 @@ class _Runner:
 
     def __init__(self, world, sp, dims: dict, lr, torch_ok):
         from hpctrain.models import gpt, registry
-        from hpctrain.parallel.orchestrator import parallelize
+        from hpctrain.parallel.orchestrator import apply_plan
         from hpctrain.parallel.plan import build_plan
         from hpctrain.parallel.tensor import TensorOptions
         from hpctrain.train.precision import Precision
@@ -162,7 +162,7 @@ class _Runner:
                      (("single", self.single), ("torch", self.torch_model)) if m is not None}
         plan = build_plan("tensor", f"tp={world.size}", world.size)
         with contextlib.redirect_stdout(io.StringIO()):  # the orchestrator's log lines
-            self.ours = parallelize(plan, model, lambda ps: torch.optim.SGD(ps, lr=lr), world,
+            self.ours = apply_plan(plan, model, lambda ps: torch.optim.SGD(ps, lr=lr), world,
                                     {"tensor": TensorOptions(sequence_parallel=sp)})
         self.tp = world.mesh(plan.layout).comm("tp")
         self.prec = Precision("fp32", torch.device("cpu"))
@@ -327,7 +327,7 @@ def report(rows: list, h: dict) -> list:
              f"{h['batch']} x seq {h['seq_len']}, fp32, a training step (forward, backward, "
              f"gradient sync, SGD), median of {h['steps']} steps after {h['warmup']} warm-up, "
              f"{h['ranks']} ranks = tp, load average {h['load0']:.2f} -> {h['load1']:.2f}",
-             "  ours: parallelize(build_plan('tensor', 'tp=N')) over MPI; torch: "
+             "  ours: apply_plan(build_plan('tensor', 'tp=N')) over MPI; torch: "
              "parallelize_module (Colwise qkv, mlp.0, head / Rowwise proj, mlp.2, embedding / "
              "SequenceParallel LayerNorms / loss_parallel) over gloo; one rank: the unsplit "
              "model alone (the others asleep)"]

@@ -1,6 +1,6 @@
 """Parallel transforms (one module each, ONE public entry) and the orchestrator over them.
 
-``plan.py`` builds the validated ParallelPlan; ``orchestrator.parallelize(plan, ...)``
+``plan.py`` builds the validated ParallelPlan; ``orchestrator.apply_plan(plan, ...)``
 applies the transforms in their fixed order and returns a Parallelized. ``wrap(strategy,
 ...)`` is the shorthand entry of the Python API. Modules are imported lazily so that
 ``single`` never needs Horovod and ``plan`` needs no torch.
@@ -39,7 +39,7 @@ def wrap(strategy: str, model, make_optimizer, world, options=None, mesh: str = 
     import importlib
 
     from hpctrain import registry
-    from hpctrain.parallel.orchestrator import parallelize
+    from hpctrain.parallel.orchestrator import apply_plan
     from hpctrain.parallel.plan import build_plan
 
     if strategy not in registry.STRATEGIES:
@@ -59,5 +59,5 @@ def wrap(strategy: str, model, make_optimizer, world, options=None, mesh: str = 
     plan = build_plan(strategy, mesh or pipeline_mesh, world.size, dp_flavour,
                       getattr(options, "dp_sharding", "ddp") if strategy == "pipeline" else "ddp")
     table = registry.STRATEGY_TABLE.get(strategy)
-    return parallelize(plan, model, make_optimizer, world, {table: options} if table else {},
+    return apply_plan(plan, model, make_optimizer, world, {table: options} if table else {},
                        data=data)

@@ -29,12 +29,12 @@ from hpctrain.parallel.executor import Executor
 from hpctrain.parallel.deferred import Materializer, has_placeholders, materialize, placeholders
 from hpctrain.parallel.plan import ParallelPlan
 
-__all__ = ["parallelize", "defer_init", "has_deferred", "Composed", "RunData"]
+__all__ = ["apply_plan", "defer_init", "has_deferred", "Composed", "RunData"]
 
 
 @dataclass(frozen=True)
 class RunData:
-    """What the run hands ``parallelize`` beside the model, for the transforms that look at
+    """What the run hands ``apply_plan`` beside the model, for the transforms that look at
     the data before they split it (the pipeline: a micro-batch to time its layers on,
     pipeline.balance = "measured", or two samples to check a user module's split on): the
     data set, the samples of one micro-batch of the step (over all replicas), the loss, and
@@ -239,7 +239,7 @@ def _flavour(plan: ParallelPlan, model, make_optimizer, world, options: dict, gr
     return module.wrap(model, make_optimizer, world, opts, groups=groups, **layout)
 
 
-def parallelize(plan: ParallelPlan, model, make_optimizer, world, options: dict | None = None,
+def apply_plan(plan: ParallelPlan, model, make_optimizer, world, options: dict | None = None,
                 activation_checkpointing: bool = False, data: RunData | None = None):
     """Apply the plan's transforms to model (a LayerStack or nn.Sequential when the plan has
     a pipeline) and return the Parallelized (collective over the world).
@@ -274,7 +274,7 @@ def parallelize(plan: ParallelPlan, model, make_optimizer, world, options: dict 
             # the tp ranks of a replica read the same samples
             groups = DPGroups(mesh.comm("dp"), (), mesh.comm("dp"))
         elif dim.strategy == "domain":
-            from hpctrain.parallel.domain import strategy as domain
+            from hpctrain.parallel.domain import executor as domain
 
             model, executor = domain.prepare(model, world, mesh, options.get("domain"))
             groups = DPGroups(mesh.comm("dp"), executor.partial_groups, world.comm)
@@ -304,7 +304,7 @@ def parallelize(plan: ParallelPlan, model, make_optimizer, world, options: dict 
 def defer_init(model, stack) -> int:
     """Deferred initialisation of ``model`` (built on the meta device from ``stack``, a
     LayerStack): its tensors become placeholders that the transforms fill only where a rank
-    keeps them (parallel/deferred.py). Call before ``parallelize``. Returns how many."""
+    keeps them (parallel/deferred.py). Call before ``apply_plan``. Returns how many."""
     return placeholders(model, Materializer(stack))
 
 

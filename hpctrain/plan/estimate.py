@@ -54,7 +54,7 @@ def optimizer_state_bytes(optimizer: str, momentum: float = 0.0) -> int:
     8, ...) stepped twice over a probe parameter, counting the state tensors shaped like it
     (per-parameter scalars such as ``step`` are negligible). ValueError for an unknown name."""
     from hpctrain.config import ConfigError
-    from hpctrain.train.strategy import UNDRIVABLE, optimizer_class
+    from hpctrain.train.optimizers import UNDRIVABLE, optimizer_class
 
     try:
         cls = optimizer_class(optimizer)

@@ -169,8 +169,8 @@ class Trainer:
         return summary
 
     def _engine(self, model, train_dataloaders, val_dataloaders, loss_fn):
-        """The engine (train/trainer.py) of fit()'s arguments, its plan and strategy built."""
-        from hpctrain.train.trainer import Trainer as Engine
+        """The engine (train/training_run.py) of fit()'s arguments, its plan and strategy built."""
+        from hpctrain.train.training_run import TrainingRun
 
         if callable(val_dataloaders) and not hasattr(val_dataloaders, "__iter__"):
             raise ConfigError("Trainer.fit(model, train_dataloaders, val_dataloaders=None, "
@@ -189,7 +189,7 @@ class Trainer:
             every = self.val_every or self.cfg.train.steps  # 0: once, after the last step
             validation = (self._val_data(val_dataloaders), None, built.loss_fn, every)
         try:
-            engine = Engine(self.cfg, self.world, built, callbacks=self.callbacks,
+            engine = TrainingRun(self.cfg, self.world, built, callbacks=self.callbacks,
                             owner=self, validation=validation, force_unlock=self.force_unlock,
                             checked=checked)
         except BaseException:

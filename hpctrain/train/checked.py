@@ -2,7 +2,7 @@
 then every check of the model against that plan that needs no communication.
 
 The CLI runs it before MPI starts (every rank alike, so a refusal is one line and exit 2)
-and hands the result to the Trainer, which runs it itself only when nobody did
+and hands the result to the TrainingRun, which runs it itself only when nobody did
 (the Python API).
 """
 
@@ -19,7 +19,7 @@ from hpctrain.models.registry import BuiltModel
 from hpctrain.parallel.plan import ParallelPlan
 from hpctrain.train.dropout import check_dropout
 from hpctrain.train.loss_count import check_loss_count
-from hpctrain.train.strategy import plan_options
+from hpctrain.train.plan_options import plan_options
 from hpctrain.train.weighting import LossWeighting
 
 __all__ = ["CheckedRun", "check_run"]

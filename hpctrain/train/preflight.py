@@ -19,7 +19,7 @@ from hpctrain.runtime.launcher import LaunchInfo
 from hpctrain.runtime.malloc import mmap_threshold_kb
 from hpctrain.runtime.world import comm_choice, ranks_per_node_override
 from hpctrain.train.schedule import check_schedule
-from hpctrain.train.strategy import check_optimizer
+from hpctrain.train.optimizers import check_optimizer
 
 __all__ = ["check_writable_dir", "check_environment", "check_dataset", "preflight"]
 

@@ -16,7 +16,7 @@ import torch
 from torch.optim import lr_scheduler
 
 from hpctrain.config import ConfigError, TrainSection
-from hpctrain.train.strategy import make_optimizer_factory
+from hpctrain.train.optimizers import make_optimizer_factory
 
 __all__ = ["Schedule", "WarmupCosineLR", "warmup_cosine_lr", "make_schedule", "check_schedule",
            "BUILTIN_SCHEDULES"]

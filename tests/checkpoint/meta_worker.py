@@ -22,7 +22,7 @@ from hpctrain.checkpoint.meta import META_CRC, seal
 from hpctrain.checkpoint.tools import inspect
 from hpctrain.config import load_config
 from hpctrain.models import gpt
-from hpctrain.train.trainer import Trainer
+from hpctrain.train.training_run import TrainingRun
 from tests.checkpoint.forge import FORGERIES
 
 
@@ -99,7 +99,7 @@ def _resume(path: str) -> dict:
                                         "out_dir": ""}},
                              {"checkpoint": {"dir": os.path.dirname(path), "resume": path}}])
     try:
-        t = Trainer(cfg)
+        t = TrainingRun(cfg)
     except CheckpointError as exc:
         return {"resume_error": str(exc)}
     return {"step": t.start_step, "lr": t.par.optimizer.param_groups[0]["lr"]}

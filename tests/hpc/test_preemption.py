@@ -203,10 +203,10 @@ def test_a_save_that_cannot_finish_before_sigkill_is_not_started(capsys):
     from types import SimpleNamespace
 
     from hpctrain.config import Config
-    from hpctrain.train.trainer import Trainer
+    from hpctrain.train.training_run import TrainingRun
 
     saves = []
-    t = Trainer.__new__(Trainer)
+    t = TrainingRun.__new__(TrainingRun)
     t.cfg = Config()
     t.cfg.checkpoint.dir = "/nonexistent-ckpt-dir"
     t.world = SimpleNamespace(host=OneRankSum(), is_main=True, size=1)

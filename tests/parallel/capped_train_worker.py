@@ -26,7 +26,7 @@ def main() -> int:
     cap_mb, out = float(sys.argv[1]), sys.argv[2]
     from hpctrain.config import load_config, parse_assignment
     from hpctrain.runtime.world import init_world
-    from hpctrain.train.trainer import Trainer
+    from hpctrain.train.training_run import TrainingRun
 
     torch.set_num_threads(1)
     cfg = load_config(None, [parse_assignment(a) for a in sys.argv[3:]])
@@ -41,7 +41,7 @@ def main() -> int:
     resource.setrlimit(resource.RLIMIT_DATA, (limit, resource.getrlimit(resource.RLIMIT_DATA)[1]))
     # An allocation the cap refuses raises on that rank; hpctrain's abort handler ends the
     # whole job (MPI_Abort), so the test sees a non-zero exit and the message.
-    summary = Trainer(cfg, world).fit()
+    summary = TrainingRun(cfg, world).fit()
     if world.rank == 0:
         with open(out, "w") as f:
             json.dump({"cap_mb": cap_mb, "losses": summary["losses"]}, f)

@@ -10,7 +10,7 @@ import sys
 
 from hpctrain.config import load_config
 from hpctrain.runtime.world import init_world
-from hpctrain.train.trainer import Trainer
+from hpctrain.train.training_run import TrainingRun
 
 BASE = {"steps": 20, "global_batch_size": 14, "weight_decay": 0.01, "progress": "off",
         "out_dir": ""}
@@ -20,7 +20,7 @@ def run_case(world, overrides: dict) -> dict:
     """Train one configuration; return its summary plus the units it formed."""
     train = {**BASE, **overrides.get("train", {})}
     cfg = load_config(None, [{**overrides, "train": train}])
-    trainer = Trainer(cfg, world=world)
+    trainer = TrainingRun(cfg, world=world)
     summary = trainer.fit()
     par = trainer.par
     units = [(u.name, u.numel) for u in getattr(par, "units", [])]

@@ -16,7 +16,7 @@ import sys
 from hpctrain.config import load_config
 from hpctrain.errors import UsageError
 from hpctrain.runtime.world import init_world
-from hpctrain.train.trainer import Trainer
+from hpctrain.train.training_run import TrainingRun
 
 BASE = {"steps": 20, "global_batch_size": 16, "progress": "off", "out_dir": "",
         "optimizer": "adamw", "lr": 0.003, "weight_decay": 0.01}
@@ -51,7 +51,7 @@ def _train(world, case: dict) -> dict:
     cfg = load_config(None, [{**overrides, "train": {**BASE, **overrides.get("train", {})}}])
     log = io.StringIO()
     with contextlib.redirect_stdout(log):  # the pipeline's split line, for the tests
-        summary = Trainer(cfg, world=world).fit()
+        summary = TrainingRun(cfg, world=world).fit()
     return {"losses": summary["losses"], "param_norm": summary["param_norm"],
             "log": log.getvalue()}
 

@@ -10,7 +10,7 @@ import sys
 
 from hpctrain.config import Config
 from hpctrain.runtime.world import init_world
-from hpctrain.train.trainer import Trainer, build_model
+from hpctrain.train.training_run import TrainingRun, build_model
 
 
 def make_config(case: dict) -> Config:
@@ -32,7 +32,7 @@ def run_cases(instrument=None) -> None:
     for case in cases:
         cfg = make_config(case)
         cfg.validate(world.size)
-        trainer = Trainer(cfg, world=world, built=build_model(cfg, world.size))
+        trainer = TrainingRun(cfg, world=world, built=build_model(cfg, world.size))
         finish = instrument(case, trainer, world) if instrument else None
         s = trainer.fit()
         rec = {k: s[k] for k in ("losses", "param_norm", "buffer_norm", "world_size",

@@ -9,7 +9,7 @@ import torch
 from hpctrain.config import Config
 from hpctrain.models import gpt
 from hpctrain.runtime.world import init_world
-from hpctrain.train.trainer import Trainer, build_model
+from hpctrain.train.training_run import TrainingRun, build_model
 
 PLANS = {2: [("tensor", "", "")],
          4: [("pipeline", "pp=2,tp=2", ""), ("single", "tp=2,dp=2", "zero3"), ("tensor", "", "")],
@@ -28,7 +28,7 @@ def main():
             cfg.runtime.mesh, cfg.runtime.dp_flavour = mesh, flavour
             cfg.tensor.sequence_parallel = sp
             cfg.validate(world.size)
-            trainer = Trainer(cfg, world=world, built=build_model(cfg, world.size))
+            trainer = TrainingRun(cfg, world=world, built=build_model(cfg, world.size))
             got = trainer.par.full_state_dict()
             where = f"{strategy} {mesh} {flavour} sp={sp} rank {world.rank}"
             assert sorted(got) == sorted(want), (where, sorted(set(got) ^ set(want)))
@@ -55,7 +55,7 @@ def memory(world):
     cfg.train.model_options = {"vocab": 68, "n_samples": 64}
     cfg.train.progress, cfg.train.out_dir, cfg.train.global_batch_size = "off", "", 8
     cfg.validate(world.size)
-    trainer = Trainer(cfg, world=world, built=build_model(cfg, world.size))
+    trainer = TrainingRun(cfg, world=world, built=build_model(cfg, world.size))
     trainer.fit()
     r = trainer.par.memory_report()
     assert r["tp"] == world.size and r["strategy"] == "tensor", r

@@ -9,7 +9,7 @@ from hpctrain.config import ConfigError, load_config
 from hpctrain.models.gpt import GPT
 from hpctrain.parallel.fsdp import FSDPOptions, wrapped_modules
 from hpctrain.parallel.units import partition_modules
-from hpctrain.train.strategy import strategy_options
+from hpctrain.train.plan_options import strategy_options
 from tests.fixtures.awkward import AwkwardNet
 from tests.mpirun import run_mpi
 

@@ -5,7 +5,7 @@ import pytest
 
 from hpctrain.config import Config, ConfigError
 from hpctrain.parallel.pipeline import PipelineOptions
-from hpctrain.train.strategy import strategy_options
+from hpctrain.train.plan_options import strategy_options
 
 
 def _cfg(value):

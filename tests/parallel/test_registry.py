@@ -11,7 +11,7 @@ from hpctrain.config import Config
 from hpctrain import registry
 from hpctrain.parallel.plan import build_plan
 from hpctrain.runtime.mesh import DIMS, MeshLayout
-from hpctrain.train.strategy import plan_options
+from hpctrain.train.plan_options import plan_options
 
 
 @pytest.mark.parametrize("table", list(registry.OPTIONS))

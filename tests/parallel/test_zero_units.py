@@ -16,7 +16,7 @@ from hpctrain.parallel.single import wrap as single_wrap
 from hpctrain.parallel.units import partition, partition_modules, wrapped_modules
 from hpctrain.parallel.zero import ZeroOptions, options_for
 from hpctrain.parallel.zero import wrap as zero_wrap
-from hpctrain.train.strategy import strategy_options
+from hpctrain.train.plan_options import strategy_options
 from tests.fixtures import resnetish, vitish
 from tests.fixtures.awkward import AwkwardNet
 

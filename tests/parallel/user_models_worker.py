@@ -29,7 +29,7 @@ from hpctrain.data.sampler import collate
 from hpctrain.parallel.zero import ZeroOptions
 from hpctrain.runtime.world import init_world
 from hpctrain.train.precision import Precision
-from hpctrain.train.trainer import Trainer
+from hpctrain.train.training_run import TrainingRun
 from tests.fixtures import awkward, tied_seq
 
 BASE = {"steps": 20, "global_batch_size": 16, "progress": "off", "out_dir": ""}
@@ -54,7 +54,7 @@ MODELS = {"awkward": awkward.factory, "awkward_bn": awkward.factory_batchnorm,
 def train_case(world, case: dict) -> dict:
     overrides = case["overrides"]
     cfg = load_config(None, [{**overrides, "train": {**BASE, **overrides.get("train", {})}}])
-    trainer = Trainer(cfg, world=world)
+    trainer = TrainingRun(cfg, world=world)
     summary = trainer.fit()
     par = trainer.par
     rec = {"losses": summary["losses"], "param_norm": summary["param_norm"],

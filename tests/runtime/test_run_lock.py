@@ -153,11 +153,11 @@ def test_process_alive_sees_an_ended_process_and_a_reused_pid():
 
 
 def test_force_unlock_reaches_the_lock_from_the_cli_and_the_api(monkeypatch, capsys):
-    """--force-unlock and Trainer(force_unlock=True) get to the engine that takes the lock;
+    """--force-unlock and Trainer(force_unlock=True) get to the TrainingRun that takes the lock;
     a refusal from it is the CLI's one line and exit 2 (no MPI here: the engine is faked)."""
     import hpctrain
     import hpctrain.runtime.world as world
-    import hpctrain.train.trainer as engine
+    import hpctrain.train.training_run as engine
     from hpctrain import cli
 
     given = []
@@ -167,7 +167,7 @@ def test_force_unlock_reaches_the_lock_from_the_cli_and_the_api(monkeypatch, cap
             given.append(force_unlock)
             raise RunLockError("--out-dir o is in use by another run (...)")
 
-    monkeypatch.setattr(engine, "Trainer", Engine)
+    monkeypatch.setattr(engine, "TrainingRun", Engine)
     monkeypatch.setattr(world, "init_world", lambda *a, **k: None)
     for flags in ([], ["--force-unlock"]):
         rc = cli.main(["train", "--model", "mlp", "--steps", "1", "--out-dir", "", *flags])

@@ -10,7 +10,7 @@ import torch
 from hpctrain.cli import main
 from hpctrain.config import ConfigError, TrainSection
 from hpctrain.train.schedule import check_schedule, make_schedule, warmup_cosine_lr
-from hpctrain.train.strategy import check_optimizer, make_optimizer_factory
+from hpctrain.train.optimizers import check_optimizer, make_optimizer_factory
 from tests.mpirun import run_single
 from tests.parallel.train_cases import pool, pooled_results
 

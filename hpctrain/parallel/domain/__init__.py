@@ -2,7 +2,7 @@
 
 decomposition.py is pure arithmetic; halo.py the exchange and its adjoint; layers.py and
 convert.py the domain-parallel layers; functional.py the ops the forward calls itself (made
-exact on tiles or refused); strategy.py the ``domain`` transform (``prepare``: the model
+exact on tiles or refused); executor.py the ``domain`` transform (``prepare``: the model
 made domain parallel and its ``DomainExecutor``); options.py the [domain] config table.
 Names load on first use, so ``options`` imports no torch.
 """

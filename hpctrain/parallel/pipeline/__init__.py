@@ -11,8 +11,8 @@ import importlib
 __all__ = ["PipelineOptions", "PipelineExecutor", "Probe", "check_fits", "prepare",
            "resolve_layout"]
 
-_HOME = {"PipelineOptions": "options", "PipelineExecutor": "strategy", "Probe": "strategy",
-         "prepare": "strategy", "resolve_layout": "strategy", "check_fits": "plan"}
+_HOME = {"PipelineOptions": "options", "PipelineExecutor": "executor", "Probe": "executor",
+         "prepare": "executor", "resolve_layout": "executor", "check_fits": "plan"}
 
 
 def __getattr__(name):

@@ -21,7 +21,7 @@ from hpctrain.data.loader import eval_source, train_reader
 from hpctrain.data.sampler import GlobalBatchSampler
 from hpctrain.data.structure import to_device
 from hpctrain.models.registry import BuiltModel, build, build_deferred, build_layers
-from hpctrain.parallel.orchestrator import RunData, defer_init, has_deferred, parallelize
+from hpctrain.parallel.orchestrator import RunData, apply_plan, defer_init, has_deferred
 from hpctrain.train.checked import CheckedRun, check_run
 from hpctrain.train.metrics import (SUMMARY_NAME, MetricsCSV, TensorBoardWriter,
                                     gather_peak_rss_mb, peak_rss_mb, write_summary)
@@ -31,9 +31,10 @@ from hpctrain.train.preemption import Preemption, sigterm_grace_s
 from hpctrain.train.progress import Progress
 from hpctrain.train.report import report_after_training
 from hpctrain.train.schedule import make_schedule
-from hpctrain.train.strategy import make_optimizer_factory, plan_options
+from hpctrain.train.optimizers import make_optimizer_factory
+from hpctrain.train.plan_options import plan_options
 
-__all__ = ["Trainer", "build_model", "run_dir", "NonFiniteError"]
+__all__ = ["TrainingRun", "build_model", "run_dir", "NonFiniteError"]
 
 
 def build_model(cfg: Config, world_size: int | None = None, plan=None) -> BuiltModel:
@@ -93,7 +94,7 @@ def _keeps_a_part(plan, cfg: Config) -> bool:
         plan.flavour == "fsdp" and cfg.fsdp.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD"))
 
 
-class Trainer:
+class TrainingRun:
     """Train ``cfg.train.model`` under the config's ParallelPlan; ``fit()`` returns the summary.
 
     The global batch of each step is the same whatever the world size; each rank's
@@ -223,7 +224,7 @@ class Trainer:
         # layers on, a user module's samples to check its split; its pieces count by tokens)
         data = RunData(self.built.dataset, t.global_batch_size // t.grad_accum,
                        self.built.loss_fn, self.count if self.weighting.tokens else None)
-        self.par = parallelize(self.plan, self.built.model, make_optimizer_factory(t), world,
+        self.par = apply_plan(self.plan, self.built.model, make_optimizer_factory(t), world,
                                options, activation_checkpointing=t.activation_checkpointing,
                                data=data)
         self.schedule = make_schedule(self.par.optimizer, t)
