@@ -90,7 +90,7 @@ def summary(results, cid) -> dict:
     """Run ``cid``'s summary; a ``train_worker`` result must have exited 0 (a worker
     script's result is the summary itself)."""
     r = results[cid]
-    if "rc" in r and "stderr" in r:
+    if "rc" in r and "summary" in r:
         assert r["rc"] == 0, (f"{cid}: rc {r['rc']}\n{r['stdout'][-2000:]}\n"
                               f"{r['stderr'][-4000:]}")
         return r["summary"]

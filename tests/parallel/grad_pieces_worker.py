@@ -111,5 +111,8 @@ for piece, cap, calls in CASES:
             assert rep["transient_grad_bucket"] <= max(cap, piece, 4 * N), \
                 (strategy, piece, cap, rep)
             assert rep["transient_grad_bucket"] > 0, (strategy, rep)
+# Back to the defaults: the session's launches run other scripts in this process after it.
+reduction._PIECE_BYTES, reduction._MIN_RANK_PIECE_BYTES = DEFAULT_PIECE, DEFAULT_MIN
+reduction._INFLIGHT_BYTES = DEFAULT_CAP
 assert checked == 8 * len(CASES), checked
 print("grad pieces ok", world.rank, file=sys.stderr)

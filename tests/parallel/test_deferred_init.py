@@ -43,7 +43,7 @@ def _run(tmp_path, name, ranks, cap_mb, *settings):
 
 
 @pytest.mark.mpi
-def test_a_model_above_the_cap_trains_under_zero3_with_deferred_init(tmp_path):
+def test_a_model_above_the_cap_trains_under_zero3_with_deferred_init(tmp_path, stacked):
     from hpctrain.models import gpt
 
     with torch.device("meta"):
@@ -52,8 +52,9 @@ def test_a_model_above_the_cap_trains_under_zero3_with_deferred_init(tmp_path):
     full_mb = sum(p.numel() for p in model.parameters()) * 4 / 2**20
     assert full_mb > CAP_MB and round(full_mb) == FULL_MB
 
-    single, want = _run(tmp_path, "single", 1, 100_000, 'train.strategy="single"')
-    assert single.returncode == 0 and want, single.stderr[-3000:]
+    single = stacked["capped-ref"]  # one process, uncapped, in the session's launches
+    assert single["rc"] == 0, single["stdout"][-2000:] + single["stderr"][-3000:]
+    want = single["summary"]["losses"]
     capped, got = _run(tmp_path, "zero3", 4, CAP_MB, 'train.strategy="zero3"')
     assert capped.returncode == 0, capped.stderr[-3000:]
     assert "deferred init" in capped.stdout
@@ -70,9 +71,13 @@ STACKED = ["--model", "tests.fixtures.stacked:factory", "--steps", "20", "--glob
 STACKED_RUNS = {"single": (None, []), "zero3": (2, ["--strategy", "zero3"]),
                 "fsdp": (3, ["--strategy", "fsdp"]), "pipeline": (2, ["--strategy", "pipeline"])}
 
-# the CLI runs of the LayerStack share the session's launches (tests/parallel/train_cases.py)
+# the CLI runs of the LayerStack and the capped model's one-process reference share the
+# session's launches (tests/parallel/train_cases.py)
 pool(__name__, lambda tmp: [{"id": name, "world": ranks, "argv": STACKED + flags}
-                            for name, (ranks, flags) in STACKED_RUNS.items()], "stacked")
+                            for name, (ranks, flags) in STACKED_RUNS.items()]
+     + [{"id": "capped-ref", "world": None,
+         "argv": [a for m in MODEL + ['train.strategy="single"'] for a in ("--set", m)]}],
+     "stacked")
 
 
 @pytest.fixture(scope="module")

@@ -56,29 +56,32 @@ def test_check_refuses_a_layer_and_an_output_that_is_not_a_field():
         check(head, _sample(data))
 
 
-@pytest.mark.mpi
-@pytest.mark.parametrize("n", [2, 4])
-def test_functions_on_tiles_match_one_process(n):
-    proc = run_mpi(n, [os.path.join(HERE, "domain_functional_worker.py")], timeout=400)
-    assert "domain functional ok:" in proc.stdout and f"on {n} ranks" in proc.stdout, proc.stdout
-
-
 ARGS = ["-m", "hpctrain", "train", "--steps", "8", "--global-batch-size", "4", "--lr", "0.05",
         "--progress", "off", "--out-dir", ""]
 BLOCKS = ARGS[3:] + ["--model", "tests.fixtures.domain_functional:blocks"]
 
-# The CLI's two runs join the session's pool (tests/parallel/train_cases.py): one process
-# and dom=2, in the launches the other pooled modules make anyway.
+# The CLI's two runs and the tiles worker at 2 and 4 ranks join the session's pool
+# (tests/parallel/train_cases.py), in the launches the other pooled modules make anyway.
+TILE_RANKS = (2, 4)
 pool(__name__, lambda tmp: [
     {"id": "one", "world": None, "argv": BLOCKS},
     {"id": "dom", "world": 2, "argv": BLOCKS + ["--strategy", "domain", "--mesh", "dom=2",
-                                                "--set", "train.activation_checkpointing=true"]}],
+                                                "--set", "train.activation_checkpointing=true"]}]
+    + [{"id": f"tiles-{n}", "world": n,
+        "script": os.path.join(HERE, "domain_functional_worker.py")} for n in TILE_RANKS],
      "trained")
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     return pooled_results(__name__, tmp_path_factory)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", TILE_RANKS)
+def test_functions_on_tiles_match_one_process(trained, n):
+    out = trained[f"tiles-{n}"]["stdout"]  # rank 0's; the worker's assertions abort its launch
+    assert "domain functional ok:" in out and f"on {n} ranks" in out, out
 
 
 @pytest.mark.mpi

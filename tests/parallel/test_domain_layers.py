@@ -1,16 +1,27 @@
-"""Domain-parallel layers vs the unsharded torch layers, forward and backward, under mpirun."""
+"""Domain-parallel layers vs the unsharded torch layers, forward and backward, under mpirun
+(2 and 4 ranks: the worker runs in the session's launches, tests/parallel/train_cases.py)."""
 
 import os
 
 import pytest
 
-from tests.mpirun import run_mpi
+from tests.parallel.train_cases import pool, pooled_results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "domain_layers_worker.py")
+RANKS = (2, 4)
+
+pool(__name__, lambda tmp: [{"id": f"n{n}", "world": n, "script": WORKER} for n in RANKS],
+     "runs")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return pooled_results(__name__, tmp_path_factory)
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("n", [2, 4])
-def test_domain_layers_match_torch(n):
-    proc = run_mpi(n, [os.path.join(HERE, "domain_layers_worker.py")], timeout=400)
-    assert "domain layers ok:" in proc.stdout and f"on {n} ranks" in proc.stdout, proc.stdout
+@pytest.mark.parametrize("n", RANKS)
+def test_domain_layers_match_torch(runs, n):
+    out = runs[f"n{n}"]["stdout"]  # rank 0's; the worker's assertions abort its launch
+    assert "domain layers ok:" in out and f"on {n} ranks" in out, out

@@ -11,7 +11,7 @@ from hpctrain.parallel.fsdp import FSDPOptions, wrapped_modules
 from hpctrain.parallel.units import partition_modules
 from hpctrain.train.plan_options import strategy_options
 from tests.fixtures.awkward import AwkwardNet
-from tests.mpirun import run_mpi
+from tests.parallel.train_cases import pool, pooled_results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -85,11 +85,25 @@ def test_size_policy_is_bottom_up_and_units_keep_ties_frozen_and_unused_right():
     assert wrapped_modules(nn.Linear(3, 3), FSDPOptions(auto_wrap_policy="none")) == []
 
 
+# The memory worker runs in the session's launches (tests/parallel/train_cases.py); at 4
+# ranks in one that pretends two nodes of 2 ranks (HYBRID_SHARD), as 2 ranks on one host are.
+RANKS = (2, 4)
+pool(__name__, lambda tmp: [
+    {"id": f"n{n}", "world": n, "script": os.path.join(HERE, "fsdp_memory_worker.py"),
+     **({"launch_env": {"HPCTRAIN_RANKS_PER_NODE": "2"}} if n > 2 else {})} for n in RANKS],
+    "runs")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return pooled_results(__name__, tmp_path_factory)
+
+
 @pytest.mark.mpi
-@pytest.mark.parametrize("n", [2, 4])
-def test_memory_matches_the_formulas(n):
-    run_mpi(n, [os.path.join(HERE, "fsdp_memory_worker.py")], timeout=240,
-            env={"HPCTRAIN_RANKS_PER_NODE": "2"})
+@pytest.mark.parametrize("n", RANKS)
+def test_memory_matches_the_formulas(runs, n):
+    r = runs[f"n{n}"]  # the worker's assertions abort its launch
+    assert r["rc"] == 0 and "fsdp memory ok 0" in r["stderr"], r
 
 
 class _FakeComm:

@@ -1,16 +1,28 @@
-"""The sharded engine's piecewise gradient reduce-scatter, under mpirun at 2 and 4 ranks."""
+"""The sharded engine's piecewise gradient reduce-scatter, under mpirun at 2 and 4 ranks (the
+worker runs in the session's launches, tests/parallel/train_cases.py)."""
 
 import os
 
 import pytest
 
-from tests.mpirun import run_mpi
+from tests.parallel.train_cases import pool, pooled_results
 
 pytestmark = pytest.mark.mpi
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "grad_pieces_worker.py")
+RANKS = (2, 4)
+
+pool(__name__, lambda tmp: [{"id": f"n{n}", "world": n, "script": WORKER} for n in RANKS],
+     "runs")
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_each_rank_gets_its_slice_of_the_summed_gradients(n):
-    run_mpi(n, [os.path.join(HERE, "grad_pieces_worker.py")], timeout=180)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return pooled_results(__name__, tmp_path_factory)
+
+
+@pytest.mark.parametrize("n", RANKS)
+def test_each_rank_gets_its_slice_of_the_summed_gradients(runs, n):
+    r = runs[f"n{n}"]  # the worker's assertions abort its launch
+    assert r["rc"] == 0 and "grad pieces ok 0" in r["stderr"], r

@@ -9,7 +9,8 @@ batches (input_ids + attention_mask) through Trainer.fit at pp=2 and pp=2 x dp=2
 ordered issue order), validation included; Hugging Face style labels (shifted inside the
 loss) with tokens weighting, the count declared under zero3 and measured under pp=2, and the
 control counted as given; Llama's attention dropout accepted per rank at pp=2, said once
-under zero3, refused at tp=2. Four launches (1, 2 and 4 ranks, then the command line at 2).
+under zero3, refused at tp=2. In the session's launches (1, 2 and 4 ranks; the command line
+at 2).
 Plus the split itself (exact logits, with a padding mask too, ties, split points by module
 name, dict outputs, inputs the layers do not take) and a model whose forward is not a chain
 (one error line, exit 2, before MPI).
@@ -29,7 +30,8 @@ from hpctrain.models.gpt import GPT
 from hpctrain.parallel.pipeline import plan
 from hpctrain.parallel.pipeline.executor import _module_layers
 from tests.fixtures import chain_models, hf_models
-from tests.mpirun import ROOT, mpi_env, run_mpi, run_single, together
+from tests.mpirun import ROOT, mpi_env
+from tests.parallel.train_cases import pool, pooled_results, script_output, script_step
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "pipeline_any_worker.py")
@@ -98,28 +100,27 @@ CLI = {"id": "gpt2-pp2-split-cli", "ref": GPT2, "args": [
     "--weight-decay", "0.01", "--progress", "off"]}
 
 
-def _run_cli(tmp) -> dict:
-    proc = run_mpi(2, CLI["args"] + ["--out-dir", str(tmp / "cli")], timeout=600)
-    summary = json.loads((tmp / "cli" / "summary.json").read_text())
-    return {"losses": summary["losses"], "param_norm": summary["param_norm"],
-            "log": proc.stdout}
+def _steps(tmp):
+    """The worker's launches (1, 2 and 4 ranks) and the command line at 2 ranks, in the
+    session's launches (tests/parallel/train_cases.py)."""
+    return [script_step(tmp, "single", None, WORKER, REFS, ["{out}", "{cases}"]),
+            script_step(tmp, "two", 2, WORKER, TWO + OTHERS, ["{out}", "{cases}"]),
+            script_step(tmp, "four", 4, WORKER, FOUR, ["{out}", "{cases}"]),
+            {"id": "cli", "world": 2, "argv": CLI["args"] + ["--out-dir", str(tmp / "cli")]}]
+
+
+pool(__name__, _steps)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("pipeline_any")
-    got = {}
-
-    def go(n, cases):
-        cases_path, out = tmp / f"cases{n}.json", tmp / f"out{n}.json"
-        cases_path.write_text(json.dumps(cases))
-        run = run_single if n == 1 else lambda args, **kw: run_mpi(n, args, **kw)
-        run([WORKER, str(out), str(cases_path)], timeout=600)
-        got.update(json.loads(out.read_text()))
-
-    # independent launches two at a time: a plain process (or 2 ranks) leaves cores idle
-    together(lambda: go(1, REFS), lambda: go(2, TWO + OTHERS))
-    together(lambda: go(4, FOUR), lambda: got.update({CLI["id"]: _run_cli(tmp)}))
+    res = pooled_results(__name__, tmp_path_factory)
+    got = {k: v for tag in ("single", "two", "four") for k, v in script_output(res, tag).items()}
+    cli = res["cli"]
+    assert cli["rc"] == 0, cli["stdout"][-3000:] + cli["stderr"][-3000:]
+    summary = json.loads((res["_tmp"] / "cli" / "summary.json").read_text())
+    got[CLI["id"]] = {"losses": summary["losses"], "param_norm": summary["param_norm"],
+                      "log": cli["stdout"]}  # rank 0's, which prints the stages
     return got
 
 

@@ -1,6 +1,7 @@
 """Tensor parallel and sequence parallel (parallel/tensor) vs one process.
 
-Under mpirun (one launch at 2 ranks, one at 4; tensor_layers_worker.py runs every case):
+Under mpirun (at 2 ranks and at 4, in the session's launches; tensor_layers_worker.py runs
+every case):
 the exact adjoints of the communicating Functions, the split layers and a whole GPT equal
 the unsplit ones forward and backward in float64 (sequence parallel off and on, dropout
 included), a transformer block issues exactly Megatron's collectives, and the split saves
@@ -23,16 +24,26 @@ from hpctrain.models.gpt import GPT, tp_plan
 from hpctrain.parallel.tensor import TensorOptions, TensorParallel, prepare
 from hpctrain.parallel.tensor.loss import vocab_parallel_cross_entropy
 from hpctrain.parallel.tensor.ops import reduce_scatter_seq, split_seq
-from tests.mpirun import run_mpi
+from tests.parallel.train_cases import pool, pooled_results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "tensor_layers_worker.py")
+RANKS = (2, 4)
+
+# the worker runs in the session's launches (tests/parallel/train_cases.py)
+pool(__name__, lambda tmp: [{"id": f"n{n}", "world": n, "script": WORKER} for n in RANKS],
+     "runs")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return pooled_results(__name__, tmp_path_factory)
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("n", [2, 4])
-def test_tensor_parallel_matches_one_process(n):
-    proc = run_mpi(n, [os.path.join(HERE, "tensor_layers_worker.py")], timeout=300)
-    out = proc.stdout
+@pytest.mark.parametrize("n", RANKS)
+def test_tensor_parallel_matches_one_process(runs, n):
+    out = runs[f"n{n}"]["stdout"]  # rank 0's; the worker's assertions abort its launch
     meshes = 1 if n == 2 else 2  # tp=n; at 4 ranks also tp=2 x dp=2
     assert f"tensor worker done on {n} ranks" in out, out
     assert f"tensor adjoints ok: {13 * meshes} operators, {meshes} rejected" in out, out

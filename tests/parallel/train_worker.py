@@ -7,7 +7,8 @@ process; only the process start (Python, torch, MPI, Horovod) is paid once for a
 "env" is set in os.environ for that case only. A case with "script" instead of "argv" runs
 that worker script (runpy, as ``__main__``, with "args" as its command line) in this
 process; its assertions abort the job
-as they would in their own launch. Rank 0 writes {id: {"rc", "summary",
+as they would in their own launch (a script case's result is {"rc": 0, "stdout",
+"stderr"}). Rank 0 writes {id: {"rc", "summary",
 "stdout", "stderr"}}: the exit code cmd_train returned, the JSON summary it wrote (None if
 it wrote none) and what rank 0 printed during the case.
 
@@ -26,6 +27,7 @@ import os
 import runpy
 import sys
 import tempfile
+import time
 import warnings
 
 from hpctrain import cli
@@ -61,15 +63,17 @@ def _check_process_state(world, argv: list[str]) -> None:
 def run_script(world, case: dict) -> dict:
     saved = sys.argv
     sys.argv = [case["script"], *case.get("args", [])]  # what its own launch would see
+    out, err = Tee(sys.stdout), Tee(sys.stderr)
     try:
-        runpy.run_path(case["script"], run_name="__main__")
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_path(case["script"], run_name="__main__")
     except SystemExit as e:  # its sys.exit(0) ends the script, not this process
         if e.code not in (None, 0):
             raise
     finally:
         sys.argv = saved
     world.host.barrier()
-    return {"rc": 0}
+    return {"rc": 0, "stdout": out.copy.getvalue(), "stderr": err.copy.getvalue()}
 
 
 def run_case(world, case: dict, scratch: str) -> dict:
@@ -97,6 +101,17 @@ def run_case(world, case: dict, scratch: str) -> dict:
             "stderr": err.copy.getvalue()}
 
 
+def _log_case(world, case: dict, wall: float, cpu: float) -> None:
+    """With HPCTRAIN_TEST_LAUNCH_LOG=FILE (tests/mpirun.py), rank 0 appends one line per case:
+    its id, the world size, wall and rank 0's CPU seconds (which cases a launch's time goes to)."""
+    log = os.environ.get("HPCTRAIN_TEST_LAUNCH_LOG")
+    if log and world.rank == 0:
+        what = os.path.basename(case["script"]) if "script" in case else "train"
+        with open(log, "a") as f:
+            f.write(f"case:{case['id']}\t{world.size}\t{wall:.2f}\t{cpu:.2f}\t"
+                    f"{what}\n")
+
+
 def main(out_path: str, cases_path: str) -> None:
     world = init_world()  # ranks per node from HPCTRAIN_RANKS_PER_NODE, for every case
     with open(cases_path) as f:
@@ -107,7 +122,9 @@ def main(out_path: str, cases_path: str) -> None:
         # checkpoints, checksummed) names rank 0's summary file on every rank.
         scratch = world.mpi_comm.bcast(scratch, root=0)
         for c in cases:
+            t0, cpu0 = time.monotonic(), time.process_time()
             results[c["id"]] = run_case(world, c, scratch)
+            _log_case(world, c, time.monotonic() - t0, time.process_time() - cpu0)
     if world.rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)

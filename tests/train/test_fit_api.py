@@ -8,20 +8,25 @@ and the global gradient norm, the same at every world size."""
 import pytest
 import torch
 
-from tests.mpirun import run_worker_json, together
+from tests.parallel.train_cases import pool, pooled_results, script_output, script_step
 
 WORKER = "tests/train/fit_api_worker.py"
+RUNS = {"single": None, "zero3": 2, "fsdp": 3}  # the worker's case: its world size
+
+# ``WORKER OUT CASE`` in the session's launches (tests/parallel/train_cases.py)
+pool(__name__, lambda tmp: [script_step(tmp, name, ranks, WORKER, [], ["{out}", name])
+                            for name, ranks in RUNS.items()], "runs")
 
 
-def _run(tmp_path, name, ranks, *args):
-    return run_worker_json(WORKER, tmp_path / f"{name}.json", ranks, args)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    res = pooled_results(__name__, tmp_path_factory)
+    return {name: script_output(res, name) for name in RUNS}
 
 
 @pytest.mark.mpi
-def test_fit_with_a_dataloader_matches_one_process_and_stops_early_together(tmp_path):
-    # the one-process launch beside the 2-rank one (independent): one core less idle
-    want, zero3 = together(lambda: _run(tmp_path, "single", 1, "single"),
-                           lambda: _run(tmp_path, "zero3", 2, "zero3"))
+def test_fit_with_a_dataloader_matches_one_process_and_stops_early_together(runs):
+    want = runs["single"]
     assert [s for s, _, _ in want["steps_seen"]] == list(range(1, 13)) and want["ended"] == 12
     assert [loss for _, loss, _ in want["steps_seen"]] == want["losses"]
     # validation every 4 steps over the whole validation set; validate() after fit = the last
@@ -35,8 +40,8 @@ def test_fit_with_a_dataloader_matches_one_process_and_stops_early_together(tmp_
         [(s, float(f"{v:.8g}")) for s, v in want["val"]]
     norms = [float(n) for _, n, _ in want["csv"]]
     assert all(n > 0 for n in norms)
-    for name, ranks, got in (("zero3", 2, zero3), ("fsdp", 3, None)):
-        got = got or _run(tmp_path, name, ranks, name)
+    for name in ("zero3", "fsdp"):
+        ranks, got = RUNS[name], runs[name]
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]),
                                    rtol=1e-5, atol=0, msg=name)
         assert got["stopped_at"] == [want["stopped_at"][0]] * ranks, (name, got["stopped_at"])

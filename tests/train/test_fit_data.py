@@ -8,21 +8,27 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from tests.mpirun import run_worker_json, together
+from tests.parallel.train_cases import pool, pooled_results, script_output, script_step
 
 WORKER = "tests/train/fit_data_worker.py"
 CASES = ["map-workers", "stream", "stream-workers", "domain-workers"]
 
+# ``WORKER OUT CASE...`` at 1 and 2 ranks in the session's launches
+# (tests/parallel/train_cases.py)
+pool(__name__, lambda tmp: [
+    script_step(tmp, "single", None, WORKER, [], ["{out}", *[f"single:{c}" for c in CASES]]),
+    script_step(tmp, "two", 2, WORKER, [], ["{out}", *CASES])], "runs")
 
-def _run(tmp_path, name, ranks, cases):
-    return run_worker_json(WORKER, tmp_path / f"{name}.json", ranks, cases)
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    res = pooled_results(__name__, tmp_path_factory)
+    return script_output(res, "single"), script_output(res, "two")
 
 
 @pytest.mark.mpi
-def test_any_dataloader_matches_one_process(tmp_path):
-    # the one-process launch beside the 2-rank one (independent): one core less idle
-    want, got = together(lambda: _run(tmp_path, "single", 1, [f"single:{c}" for c in CASES]),
-                         lambda: _run(tmp_path, "two", 2, CASES))
+def test_any_dataloader_matches_one_process(runs):
+    want, got = runs
     for case in CASES:
         torch.testing.assert_close(torch.tensor(got[case]), torch.tensor(want[f"single:{case}"]),
                                    rtol=1e-5, atol=0, msg=case)
