@@ -203,7 +203,7 @@ def _prepare(args, launch):
         preflight(cfg, os.environ, launch)
     except (ConfigError, UsageError) as exc:
         return _fail(rank, str(exc))
-    from hpctrain.train.training_run import build_model
+    from hpctrain.train.build import build_model
 
     try:
         built = build_model(cfg, plan=plan)  # imports a user's factory: fail here, before MPI starts

@@ -20,8 +20,9 @@ from hpctrain.runtime.watchdog import start_watchdog
 from hpctrain.data.loader import eval_source, train_reader
 from hpctrain.data.sampler import GlobalBatchSampler
 from hpctrain.data.structure import to_device
-from hpctrain.models.registry import BuiltModel, build, build_deferred, build_layers
-from hpctrain.parallel.orchestrator import RunData, apply_plan, defer_init, has_deferred
+from hpctrain.models.registry import BuiltModel
+from hpctrain.parallel.orchestrator import RunData, apply_plan, has_deferred
+from hpctrain.train.build import build_model, keeps_a_part, run_dir
 from hpctrain.train.checked import CheckedRun, check_run
 from hpctrain.train.metrics import (SUMMARY_NAME, MetricsCSV, TensorBoardWriter,
                                     gather_peak_rss_mb, peak_rss_mb, write_summary)
@@ -34,64 +35,12 @@ from hpctrain.train.schedule import make_schedule
 from hpctrain.train.optimizers import make_optimizer_factory
 from hpctrain.train.plan_options import plan_options
 
-__all__ = ["TrainingRun", "build_model", "run_dir", "NonFiniteError"]
-
-
-def build_model(cfg: Config, world_size: int | None = None, plan=None) -> BuiltModel:
-    """Build model, data set and loss from the config (no communication; raises ValueError).
-
-    A plan with a pipeline gets a LayerStack instead of a model (each rank builds only its
-    stage); with the plan (or the world size) given, a split that cannot fit is reported
-    here, before MPI.
-    """
-    t = cfg.train
-    if plan is None and world_size is not None:
-        plan = cfg.plan(world_size)
-    if plan.pipeline if plan is not None else t.strategy == "pipeline":
-        built = build_layers(t.model, t.seed, **t.model_options)
-        if plan is not None:
-            from hpctrain.parallel.pipeline import check_fits
-
-            pl = cfg.pipeline
-            v = pl.virtual_stages if pl.schedule == "interleaved-1f1b" else 1
-            check_fits(len(built.model), plan.pp, v, pl.schedule)
-        return built
-    if plan is not None and t.deferred_init and _keeps_a_part(plan, cfg):
-        deferred = build_deferred(t.model, t.seed, **t.model_options)
-        if deferred is not None:
-            built, stack = deferred
-            if stack is not None:
-                defer_init(built.model, stack)
-            return built
-    return build(t.model, t.seed, **t.model_options)
-
-
-def run_dir(cfg: Config, plan_name: str, mpi_comm) -> str:
-    """Where this run's metrics, summary, report and TensorBoard events go: train.out_dir,
-    or out_dir/run_name when a name is given ('auto': rank 0's timestamp and the plan name,
-    the same on every rank). Collective only for 'auto'."""
-    t = cfg.train
-    if not t.out_dir or not t.run_name:
-        return t.out_dir
-    name = t.run_name
-    if name == "auto":
-        name = mpi_comm.bcast(time.strftime("%Y%m%d-%H%M%S-") + plan_name, root=0)
-    return os.path.join(t.out_dir, name)
+__all__ = ["TrainingRun", "NonFiniteError"]
 
 
 def _sizes_text(sizes: list[int]) -> str:
     """[11, 11, 10] -> '11, 11 and 10'."""
     return ", ".join(map(str, sizes[:-1])) + f" and {sizes[-1]}"
-
-
-def _keeps_a_part(plan, cfg: Config) -> bool:
-    """Plans where no rank keeps the whole model: the build fills only each rank's part
-    (parallel/deferred.py). A pipeline builds only its stages' layers anyway; a domain
-    split keeps whole weights."""
-    if plan.pipeline or plan.domain:
-        return False
-    return plan.tensor or plan.flavour == "zero3" or (
-        plan.flavour == "fsdp" and cfg.fsdp.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD"))
 
 
 class TrainingRun:
@@ -204,7 +153,7 @@ class TrainingRun:
         if has_deferred(self.built.model) and world.is_main:
             print("hpctrain: deferred init: the model was built on the meta device; each rank "
                   "fills only the part it keeps, layer by layer", flush=True)
-        elif t.deferred_init and _keeps_a_part(self.plan, cfg) and world.is_main:
+        elif t.deferred_init and keeps_a_part(self.plan, cfg) and world.is_main:
             print(f"hpctrain: note: model {t.model!r} was built whole on every rank before "
                   f"being split: deferred init needs a model described layer by layer (the "
                   f"built-in gpt and mlp, or a factory returning a models.layers.LayerStack); "

@@ -10,7 +10,8 @@ import sys
 
 from hpctrain.config import Config
 from hpctrain.runtime.world import init_world
-from hpctrain.train.training_run import TrainingRun, build_model
+from hpctrain.train.build import build_model
+from hpctrain.train.training_run import TrainingRun
 
 
 def make_config(case: dict) -> Config:

@@ -9,7 +9,8 @@ import torch
 from hpctrain.config import Config
 from hpctrain.models import gpt
 from hpctrain.runtime.world import init_world
-from hpctrain.train.training_run import TrainingRun, build_model
+from hpctrain.train.build import build_model
+from hpctrain.train.training_run import TrainingRun
 
 PLANS = {2: [("tensor", "", "")],
          4: [("pipeline", "pp=2,tp=2", ""), ("single", "tp=2,dp=2", "zero3"), ("tensor", "", "")],

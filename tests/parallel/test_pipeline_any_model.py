@@ -28,7 +28,7 @@ import torch
 from hpctrain.models.chain import split_model
 from hpctrain.models.gpt import GPT
 from hpctrain.parallel.pipeline import plan
-from hpctrain.parallel.pipeline.executor import _module_layers
+from hpctrain.parallel.pipeline.transform import _module_layers
 from tests.fixtures import chain_models, hf_models
 from tests.mpirun import ROOT, mpi_env
 from tests.parallel.train_cases import pool, pooled_results, script_output, script_step

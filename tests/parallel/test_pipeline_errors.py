@@ -5,8 +5,8 @@ from torch import nn
 
 from hpctrain.config import Config, ConfigError
 from hpctrain.models.gpt import GPT
-from hpctrain.parallel.pipeline.executor import _as_stack
-from hpctrain.train.training_run import build_model
+from hpctrain.parallel.pipeline.transform import _as_stack
+from hpctrain.train.build import build_model
 from tests.mpirun import run_mpi
 
 

@@ -168,7 +168,7 @@ def test_measured_balance_counts_the_loss_on_the_last_layer():
     from types import SimpleNamespace
 
     from hpctrain.models.layers import from_sequential
-    from hpctrain.parallel.pipeline.executor import Probe, _layer_costs
+    from hpctrain.parallel.pipeline.transform import Probe, _layer_costs
 
     def slow_loss(out, target):
         deadline = time.perf_counter() + 0.05
