@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tests.parallel.train_cases import pool, pooled_results
+from tests.parallel.train_cases import pooled_script
 
 pytestmark = pytest.mark.mpi
 
@@ -13,13 +13,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "grad_pieces_worker.py")
 RANKS = (2, 4)
 
-pool(__name__, lambda tmp: [{"id": f"n{n}", "world": n, "script": WORKER} for n in RANKS],
-     "runs")
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return pooled_results(__name__, tmp_path_factory)
+runs = pooled_script(__name__, WORKER, RANKS)
 
 
 @pytest.mark.parametrize("n", RANKS)

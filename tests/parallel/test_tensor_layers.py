@@ -24,20 +24,14 @@ from hpctrain.models.gpt import GPT, tp_plan
 from hpctrain.parallel.tensor import TensorOptions, TensorParallel, prepare
 from hpctrain.parallel.tensor.loss import vocab_parallel_cross_entropy
 from hpctrain.parallel.tensor.ops import reduce_scatter_seq, split_seq
-from tests.parallel.train_cases import pool, pooled_results
+from tests.parallel.train_cases import pooled_script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "tensor_layers_worker.py")
 RANKS = (2, 4)
 
 # the worker runs in the session's launches (tests/parallel/train_cases.py)
-pool(__name__, lambda tmp: [{"id": f"n{n}", "world": n, "script": WORKER} for n in RANKS],
-     "runs")
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return pooled_results(__name__, tmp_path_factory)
+runs = pooled_script(__name__, WORKER, RANKS)
 
 
 @pytest.mark.mpi

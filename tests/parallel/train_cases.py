@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tests.mpirun import run_mpi, run_single
 
-__all__ = ["train_argv", "run_steps", "pool", "pooled_results", "select_pooled", "script_step",
-           "script_output"]
+__all__ = ["train_argv", "run_steps", "pool", "pooled_script", "pooled_results", "select_pooled",
+           "script_step", "script_output"]
 
 WORKER = ["-m", "tests.parallel.train_worker"]
 
@@ -135,6 +135,21 @@ POOL_TIMEOUT = 1800  # one launch runs every module's steps of its world size
 def pool(module: str, build, fixture: str = "results") -> None:
     """Put ``build``'s steps of ``module`` in the session's pool (call at import)."""
     POOL[module] = (build, fixture)
+
+
+def pooled_script(module: str, script: str, worlds, fixture: str = "runs"):
+    """Pool the worker ``script`` once at each world size in ``worlds`` (steps ``n{world}``)
+    and return ``module``'s fixture of the results (assign it to ``fixture``'s name)."""
+    import pytest
+
+    pool(module, lambda tmp: [{"id": f"n{n}", "world": n, "script": script} for n in worlds],
+         fixture)
+
+    @pytest.fixture(scope="module", name=fixture)
+    def results(tmp_path_factory):
+        return pooled_results(module, tmp_path_factory)
+
+    return results
 
 
 def select_pooled(items) -> None:
