@@ -9,7 +9,7 @@ import sys
 
 from hpctrain.version import __version__
 from hpctrain.bench.gpu.common import PARTS as GPU_PARTS
-from hpctrain.cli_train import _overrides, add_train_parser, cmd_train
+from hpctrain.cli_train import _overrides, add_train_parser, cmd_train, positive_int
 
 __all__ = ["main", "build_parser", "cmd_train", "_overrides"]
 
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", metavar="WHAT", required=True)
     bc = bsub.add_parser("checkpoint", help="hpctrain vs torch.distributed.checkpoint vs dd")
-    bc.add_argument("--mb", type=_positive_int, default=400, help="model state size in MB")
+    bc.add_argument("--mb", type=positive_int, default=400, help="model state size in MB")
     bc.add_argument("--dir", default="", help="directory on the disk to test (default: a temp dir)")
     bf = bsub.add_parser("flight", help="the flight recorder's share of a training step "
                          "(budget <= 1%% of a >= 50 ms step); run under the launcher")
@@ -70,17 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fix glibc's mmap threshold in the measured ranks (0: glibc's dynamic "
                          "default, which keeps freed multi-MB tensors resident; runtime/malloc.py"
                          " explains the step-time cost)")
-    bm.add_argument("--reduce-bucket-size", type=_positive_int, default=None, metavar="BYTES",
+    bm.add_argument("--reduce-bucket-size", type=positive_int, default=None, metavar="BYTES",
                     help="zero2/zero3/fsdp reduce_bucket_size (default the options')")
-    bm.add_argument("--allgather-bucket-size", type=_positive_int, default=None,
+    bm.add_argument("--allgather-bucket-size", type=positive_int, default=None,
                     metavar="BYTES", help="fsdp allgather_bucket_size (default the options')")
     bs = bsub.add_parser("step", help="step time of ddp, zero1-3 and fsdp vs torch DDP, torch "
                          "FSDP2 and the no-communication floor, with targets")
     bs.add_argument("--params-m", type=float, default=20.0, help="model size, millions of params")
-    bs.add_argument("--width", type=_positive_int, default=1024, help="layer width")
-    bs.add_argument("--steps", type=_positive_int, default=10, help="timed steps (median)")
+    bs.add_argument("--width", type=positive_int, default=1024, help="layer width")
+    bs.add_argument("--steps", type=positive_int, default=10, help="timed steps (median)")
     bs.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    bs.add_argument("--batch", type=_positive_int, default=32, help="samples per rank")
+    bs.add_argument("--batch", type=positive_int, default=32, help="samples per rank")
     bs.add_argument("--strategies", type=_strategy_list,
                     default="nocomm,torchddp,ddp,zero1,zero2,zero3,fsdp,fsdp:NO_SHARD,"
                             "pp2:ddp,pp2:zero3",
@@ -117,15 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
     bt = bsub.add_parser("tp", help="tensor-parallel step time (tp = the ranks launched) vs "
                          "torch's parallelize_module (gloo) and one rank; bytes per step vs "
                          "Megatron's formula")
-    bt.add_argument("--layers", type=_positive_int, default=4, help="GPT blocks in the stack")
-    bt.add_argument("--d-model", type=_positive_int, default=512, help="hidden size")
-    bt.add_argument("--heads", type=_positive_int, default=8, help="attention heads (divisible "
+    bt.add_argument("--layers", type=positive_int, default=4, help="GPT blocks in the stack")
+    bt.add_argument("--d-model", type=positive_int, default=512, help="hidden size")
+    bt.add_argument("--heads", type=positive_int, default=8, help="attention heads (divisible "
                     "by tp)")
-    bt.add_argument("--seq-len", type=_positive_int, default=256, help="sequence length "
+    bt.add_argument("--seq-len", type=positive_int, default=256, help="sequence length "
                     "(divisible by tp)")
-    bt.add_argument("--batch", type=_positive_int, default=4, help="sequences per step (every "
+    bt.add_argument("--batch", type=positive_int, default=4, help="sequences per step (every "
                     "tp rank reads the same batch)")
-    bt.add_argument("--steps", type=_positive_int, default=5, help="timed steps (median)")
+    bt.add_argument("--steps", type=positive_int, default=5, help="timed steps (median)")
     bt.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     bt.add_argument("--sequence-parallel", choices=("off", "on", "both"), default="both",
                     help="configurations to run")
@@ -168,16 +168,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_plan_parser(sub)
     return p
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer")
-    return value
 
 
 def _int_list(text: str) -> tuple:

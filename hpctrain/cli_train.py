@@ -10,20 +10,24 @@ import sys
 from hpctrain.config import ConfigError, _field_type, load_config, parse_assignment
 from hpctrain.errors import NONFINITE_EXIT_CODE, UsageError, UserInputError
 
-__all__ = ["TRAIN_FLAGS", "BOOL_FLAGS", "add_train_parser", "cmd_train"]
+__all__ = ["TRAIN_FLAGS", "BOOL_FLAGS", "add_train_parser", "cmd_train", "positive_int"]
 
 
-def _ranks_per_node(text: str) -> int:
-    """--ranks-per-node: a positive count; leaving the flag out detects the nodes."""
+def positive_int(text: str, hint: str = "") -> int:
+    """An argparse type: a positive integer, else the flag's error (with ``hint`` after it)."""
     try:
         value = int(text)
     except ValueError:
         value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer (ranks per "
-                                         f"node to pretend); leave the flag out to detect the "
-                                         f"nodes")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer{hint}")
     return value
+
+
+def _ranks_per_node(text: str) -> int:
+    """--ranks-per-node: a positive count; leaving the flag out detects the nodes."""
+    return positive_int(text, " (ranks per node to pretend); leave the flag out to detect "
+                              "the nodes")
 
 
 SHARDED = "<zero or fsdp>"  # a flag for the table of the plan's sharded flavour

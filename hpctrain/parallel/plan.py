@@ -6,8 +6,8 @@ orchestrator (``orchestrator.py``) is the only reader that turns it into transfo
 
 ``--strategy NAME`` is a shorthand for a one-dimensional plan (``zero3`` = every rank a dp
 replica with flavour zero3, ``pipeline`` = every rank a stage, ``domain`` = every rank a
-tile, ``tensor`` = every rank a tensor-parallel slice); ``--mesh`` and ``--dp-flavour`` spell a composed one (``--mesh dom=2,dp=2
---dp-flavour fsdp``). A flavour strategy given with a mesh composes too: ``--strategy zero3
+tile, ``tensor`` = every rank a tensor-parallel slice); ``--mesh`` and ``--dp-flavour``
+spell a composed one (``--mesh dom=2,dp=2 --dp-flavour fsdp``). A flavour strategy given with a mesh composes too: ``--strategy zero3
 --mesh dom=2,dp=2`` is the same plan.
 """
 
